@@ -1,0 +1,90 @@
+"""Frozen configuration for loading models and decoding.
+
+Every choice is explicit: the quantization mode is an enum, never guessed
+from a file name; the decode mode is an enum the controller may change only
+with a stated reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+
+class Mode(StrEnum):
+    """How the next tokens are produced."""
+
+    PLAIN = "plain"  # target alone, one token per forward pass
+    SPEC = "spec"  # draft model proposes K tokens, target verifies them in one pass
+    SELF_SPEC = "self-spec"  # the target's own first E layers draft, the full target verifies
+    EARLY_EXIT = "early-exit"  # target alone, may stop at an intermediate layer (lossy)
+
+
+class QuantMode(StrEnum):
+    """Weight quantization of one model."""
+
+    NONE = "none"  # bf16 / float16 / float32 as loaded
+    BNB_NF4 = "bnb-nf4"  # bitsandbytes 4-bit NormalFloat
+    BNB_INT8 = "bnb-int8"  # bitsandbytes LLM.int8()
+    INT8 = "int8"  # weight-only int8 (per-channel scales), fast on the CPU
+    INT4 = "int4"  # weight-only int4 (grouped scales), CPU
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Where one model comes from and how to hold it.
+
+    `source` is a preset name, a Hugging Face model id, a local model folder,
+    or a path to a `.gguf` file.
+    """
+
+    source: str
+    quant: QuantMode = QuantMode.NONE
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """Sampling and speculation settings of one reply.
+
+    temperature 0 means greedy. `k=None` lets the controller choose K within
+    [k_min, k_max]; an int forces it.
+    """
+
+    mode: Mode = Mode.SPEC
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    k: int | None = None
+    k_min: int = 1
+    k_max: int = 8
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    seed: int | None = None
+    # early exit (lossy) and self-speculation (lossless)
+    exit_threshold: float | None = None  # None: use the calibrated thresholds
+    exit_budget: float = 0.95  # target top-1 agreement kept by calibration
+    exit_layer: int | None = None  # self-spec draft depth; None: a quarter of the layers
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.k is not None and self.k < 1:
+            raise ValueError(f"k must be >= 1, got {self.k}")
+        if not 1 <= self.k_min <= self.k_max:
+            raise ValueError(f"need 1 <= k_min <= k_max, got {self.k_min}, {self.k_max}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def with_(self, **changes: object) -> DecodeConfig:
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)  # type: ignore[arg-type]

@@ -1,0 +1,268 @@
+"""The engine -> UI contract.
+
+Events are frozen, slotted dataclasses holding only str, int, float, bool,
+None, enums, tuples, and other such event records: no tensors, no UI types.
+They cross threads cheaply, tests compare them with `==`, and every event
+round-trips through JSON (`to_dict` / `from_dict`), which is how
+`specchat generate --json` writes a trace and how a trace is replayed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from enum import Enum, StrEnum
+from typing import Any, Union
+
+from .config import Mode
+
+
+class Provenance(StrEnum):
+    """Where an emitted token came from."""
+
+    ACCEPTED = "accepted"  # a draft token the target accepted
+    CORRECTED = "corrected"  # the target's token after it refused a draft token
+    BONUS = "bonus"  # the target's extra token when all K drafts were accepted
+    EARLY_EXIT = "early-exit"  # the target stopped at an intermediate layer
+    TARGET = "target"  # plain target decoding
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One emitted token.
+
+    `text` is what this token adds to the reply; it may be "" while a
+    multi-byte character is incomplete (the next token then carries it).
+    `p_target` / `p_draft` are the probabilities of the emitted token under
+    each model's (temperature/top-k/top-p processed) distribution; None where
+    not computed.
+    """
+
+    token_id: int
+    text: str
+    provenance: Provenance
+    round: int
+    position: int | None = None  # index in the draft block
+    p_target: float | None = None
+    p_draft: float | None = None
+    exit_layer: int | None = None  # EARLY_EXIT only
+    confidence: float | None = None  # EARLY_EXIT only
+    rejected_id: int | None = None  # CORRECTED only: the refused draft token
+    rejected_text: str | None = None
+    t: float = 0.0  # time.perf_counter() at emission
+
+
+@dataclass(frozen=True, slots=True)
+class RoundEvent:
+    """One decoding round: sent after the round's TokenEvents.
+
+    For plain and early-exit rounds `k` is 0 and `draft_ms` is 0;
+    `verify_ms` is then the target's step time.
+    """
+
+    round: int
+    mode: Mode
+    k: int
+    accepted: int
+    draft_ms: float
+    verify_ms: float
+    fallback_reason: str | None = None  # set when the controller changed mode or K
+    next_mode: Mode | None = None  # the mode the controller chose for the next round
+    next_k: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SystemSample:
+    """A CPU/GPU sample; None means not available on this machine."""
+
+    cpu_percent_per_core: tuple[float, ...]
+    process_cpu_percent: float
+    rss_bytes: int
+    gpu_util_percent: float | None = None
+    gpu_mem_used_bytes: int | None = None
+    gpu_mem_total_bytes: int | None = None
+    gpu_name: str | None = None
+    draft_device: str | None = None
+    target_device: str | None = None
+    t: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadProgress:
+    """Progress of a load stage (fetch, join, verify, convert, load, ...)."""
+
+    stage: str
+    done: int
+    total: int | None = None  # None: unknown
+    unit: str = ""  # "B" for bytes, "" for steps
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What was loaded for one role (target or draft)."""
+
+    role: str  # "target" | "draft"
+    name: str
+    source: str
+    device: str
+    dtype: str
+    quant: str
+    params: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    layers: int
+    context_length: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """Models are loaded; the session can take a prompt."""
+
+    summary: str
+    target: ModelInfo
+    draft: ModelInfo | None = None
+    chat_template: bool = True
+    load_seconds: float = 0.0
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """Something the user should know that is not an error (a policy applied)."""
+
+    message: str
+    level: str = "info"  # "info" | "warning"
+
+
+@dataclass(frozen=True, slots=True)
+class TurnStarted:
+    turn: int
+    prompt_tokens: int  # whole conversation as the model sees it
+    new_prompt_tokens: int  # the part that had to be prefilled
+    mode: Mode
+    prefill_ms: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TurnStats:
+    """Trace attributes of one reply."""
+
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    ttft_s: float  # prompt submitted -> first token emitted
+    rounds: int
+    drafted: int
+    accepted: int
+    acceptance_rate: float | None  # accepted / drafted; None without drafts
+    mean_accepted_length: float | None  # tokens emitted per speculative round
+    mode: Mode
+    optimizations: tuple[str, ...]
+    fallbacks: tuple[str, ...]
+    stop_reason: str  # "eos" | "max_tokens" | "stop_string" | "context" | "cancelled"
+    text: str
+    early_exits: int = 0
+    mean_layers: float | None = None  # average target layers executed per token
+
+
+@dataclass(frozen=True, slots=True)
+class TurnFinished:
+    stats: TurnStats
+
+
+@dataclass(frozen=True, slots=True)
+class Cancelled:
+    """The reply was cancelled; what was produced so far stays in the conversation."""
+
+    tokens: int
+    text: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """Something went wrong; `hint` says what the user can do about it."""
+
+    message: str
+    hint: str = ""
+
+
+Event = Union[  # noqa: UP007 - a runtime union, used by from_dict
+    TokenEvent,
+    RoundEvent,
+    SystemSample,
+    LoadProgress,
+    Ready,
+    Notice,
+    TurnStarted,
+    TurnFinished,
+    Cancelled,
+    Failed,
+]
+
+_EVENT_TYPES: dict[str, type[Any]] = {
+    cls.__name__: cls
+    for cls in (
+        TokenEvent,
+        RoundEvent,
+        SystemSample,
+        LoadProgress,
+        Ready,
+        Notice,
+        TurnStarted,
+        TurnFinished,
+        Cancelled,
+        Failed,
+        ModelInfo,
+        TurnStats,
+    )
+}
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return to_dict(value)
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def to_dict(event: Any) -> dict[str, Any]:
+    """A JSON-ready dict with a "type" key naming the event class."""
+    out: dict[str, Any] = {"type": type(event).__name__}
+    for f in dataclasses.fields(event):
+        out[f.name] = _plain(getattr(event, f.name))
+    return out
+
+
+def _revive(tp: Any, value: Any) -> Any:
+    if value is None:
+        return None
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _revive(args[0], value) if len(args) == 1 else value
+    if origin is tuple:
+        (inner, *_rest) = typing.get_args(tp) or (Any,)
+        return tuple(_revive(inner, v) for v in value)
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        return tp(value)
+    if isinstance(value, dict) and "type" in value:
+        return from_dict(value)
+    return value
+
+
+def from_dict(data: dict[str, Any]) -> Any:
+    """Inverse of `to_dict`."""
+    cls = _EVENT_TYPES[data["type"]]
+    hints = typing.get_type_hints(cls)
+    kwargs = {
+        f.name: _revive(hints[f.name], data[f.name])
+        for f in dataclasses.fields(cls)
+        if f.name in data
+    }
+    return cls(**kwargs)

@@ -1,0 +1,43 @@
+"""The small interface the UI and the headless commands drive.
+
+`ChatSession` implements it on real models; a replay of a recorded trace
+implements it too, which is how the UI is tested without torch.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Protocol
+
+from .config import DecodeConfig
+from .events import Event
+
+
+class ChatBackend(Protocol):
+    def stream(
+        self, prompt: str, config: DecodeConfig, cancel: threading.Event | None = None
+    ) -> Iterator[Event]:
+        """Add a user turn and stream the reply as events.
+
+        Yields TurnStarted, then per round its TokenEvents followed by one
+        RoundEvent, and ends with exactly one of TurnFinished, Cancelled or
+        Failed. Cancellation is checked between rounds; the session stays
+        usable afterwards. Errors are yielded as Failed, not raised.
+        """
+        ...
+
+    def regenerate(
+        self, config: DecodeConfig, cancel: threading.Event | None = None
+    ) -> Iterator[Event]:
+        """Drop the last reply and answer the last user turn again."""
+        ...
+
+    def reset(self) -> None:
+        """Start a new conversation (keeps the system prompt)."""
+        ...
+
+    @property
+    def messages(self) -> tuple[tuple[str, str], ...]:
+        """The conversation so far as (role, content) pairs."""
+        ...

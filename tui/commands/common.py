@@ -1,0 +1,108 @@
+"""Flags shared by the subcommands, and their translation into engine configs."""
+
+from __future__ import annotations
+
+import argparse
+from importlib import metadata
+
+from specchat.engine.config import DecodeConfig, Mode, ModelSpec, QuantMode
+
+
+def version() -> str:
+    try:
+        return metadata.version("specchat")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models")
+    g.add_argument(
+        "--target",
+        help="target model: preset name, Hugging Face id, model folder or .gguf file "
+        "(default: the default pair's target)",
+    )
+    g.add_argument(
+        "--draft",
+        help="draft model, same forms as --target; 'none' for no draft "
+        "(default: the default pair's draft)",
+    )
+    quants = [q.value for q in QuantMode]
+    g.add_argument("--target-quant", choices=quants, default=None, help="target quantization")
+    g.add_argument("--draft-quant", choices=quants, default=None, help="draft quantization")
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights dtype (auto: bfloat16 on CUDA, float32 on the CPU)",
+    )
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--cache-dir", default=None, help="model cache (default: $SPECCHAT_CACHE or ~/.cache/specchat)")
+    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
+
+
+def add_decode_args(p: argparse.ArgumentParser, *, mode_default: str | None = None) -> None:
+    g = p.add_argument_group("decoding")
+    g.add_argument("--mode", choices=[m.value for m in Mode], default=mode_default)
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 0)")
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--k", type=int, default=None, help="force K draft tokens per round (default: adaptive)")
+    g.add_argument("--max-new-tokens", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--exit-threshold", type=float, default=None, help="early exit confidence threshold")
+    g.add_argument("--exit-layer", type=int, default=None, help="self-spec draft depth in layers")
+
+
+def decode_config(args: argparse.Namespace, base: DecodeConfig | None = None) -> DecodeConfig:
+    """Flags given on the command line override `base` (settings file or defaults)."""
+    cfg = base or DecodeConfig()
+    changes: dict[str, object] = {}
+    for flag, fld in [
+        ("mode", "mode"),
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("top_k", "top_k"),
+        ("k", "k"),
+        ("max_new_tokens", "max_new_tokens"),
+        ("seed", "seed"),
+        ("exit_threshold", "exit_threshold"),
+        ("exit_layer", "exit_layer"),
+    ]:
+        value = getattr(args, flag, None)
+        if value is not None:
+            changes[fld] = Mode(value) if fld == "mode" else value
+    if getattr(args, "stop", None):
+        changes["stop"] = tuple(args.stop)
+    return cfg.with_(**changes) if changes else cfg
+
+
+def model_specs(args: argparse.Namespace) -> tuple[ModelSpec, ModelSpec | None]:
+    """Target and draft specs from the flags; presets fill what is not given."""
+    from specchat.engine import registry
+
+    target_src = args.target or registry.DEFAULT_PAIR[0]
+    if args.draft is not None:
+        draft_src: str | None = None if args.draft.lower() == "none" else args.draft
+    elif args.target is None:
+        draft_src = registry.DEFAULT_PAIR[1]
+    else:
+        draft_src = None
+    target = ModelSpec(
+        target_src,
+        quant=QuantMode(args.target_quant) if args.target_quant else QuantMode.NONE,
+        dtype=args.dtype,
+        device=args.device,
+    )
+    draft = (
+        ModelSpec(
+            draft_src,
+            quant=QuantMode(args.draft_quant) if args.draft_quant else QuantMode.NONE,
+            dtype=args.dtype,
+            device=args.device,
+        )
+        if draft_src
+        else None
+    )
+    return target, draft
