@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"specchat {common.version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module in COMMANDS.items():
+    for module in COMMANDS.values():
         try:
             mod = importlib.import_module(f"specchat.tui.commands.{module}")
         except ModuleNotFoundError as exc:

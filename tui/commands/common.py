@@ -37,8 +37,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="weights dtype (auto: bfloat16 on CUDA, float32 on the CPU)",
     )
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    g.add_argument("--cache-dir", default=None, help="model cache (default: $SPECCHAT_CACHE or ~/.cache/specchat)")
-    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
+    g.add_argument(
+        "--cache-dir",
+        default=None,
+        help="model cache (default: $SPECCHAT_CACHE or ~/.cache/specchat)",
+    )
+    g.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: all cores)"
+    )
 
 
 def add_decode_args(p: argparse.ArgumentParser, *, mode_default: str | None = None) -> None:
@@ -47,11 +53,15 @@ def add_decode_args(p: argparse.ArgumentParser, *, mode_default: str | None = No
     g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 0)")
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--k", type=int, default=None, help="force K draft tokens per round (default: adaptive)")
+    g.add_argument(
+        "--k", type=int, default=None, help="force K draft tokens per round (default: adaptive)"
+    )
     g.add_argument("--max-new-tokens", type=int, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--exit-threshold", type=float, default=None, help="early exit confidence threshold")
+    g.add_argument(
+        "--exit-threshold", type=float, default=None, help="early exit confidence threshold"
+    )
     g.add_argument("--exit-layer", type=int, default=None, help="self-spec draft depth in layers")
 
 

@@ -1,0 +1,153 @@
+"""Adaptive K and fallback to plain decoding, each change with a stated reason.
+
+With per-token acceptance rate α, a round that drafts K tokens emits on
+average E(K) = (1 - α^(K+1)) / (1 - α) tokens (Leviathan et al. 2023, eq. 1).
+Its cost, in units of one plain target step, is K·c + v(K), where c is the
+draft/target cost ratio of one step and v(K) the cost of verifying K+1
+positions in one pass (v ≈ 1 on a GPU; above 1 on a CPU). The expected
+speedup is S(K) = E(K) / (K·c + v(K)); with v = 1 this is the paper's
+(1 - α^(K+1)) / ((1 - α)(K·c + 1)).
+
+The controller picks the K that maximises S within [k_min, k_max], drops to
+plain decoding when the best S is below 1, and probes speculation again after
+a number of plain tokens, since acceptance changes with the text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import DecodeConfig, Mode
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E(K): tokens per round with per-token acceptance alpha."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def expected_speedup(alpha: float, k: int, c: float, verify_ratio: float = 1.0) -> float:
+    """S(K) = E(K) / (K·c + v): speedup over plain decoding."""
+    return expected_tokens(alpha, k) / (k * c + verify_ratio)
+
+
+@dataclass(slots=True)
+class Costs:
+    """Measured step costs in milliseconds (exponential moving averages)."""
+
+    target_step_ms: float | None = None  # one plain target step
+    draft_step_ms: float | None = None  # one draft step
+    verify_slope: float = 0.05  # v(K) = 1 + slope·K, fitted from verify passes
+
+    def ratio(self) -> float | None:
+        if self.target_step_ms and self.draft_step_ms is not None:
+            return self.draft_step_ms / self.target_step_ms
+        return None
+
+    def verify_ratio(self, k: int) -> float:
+        return 1.0 + self.verify_slope * k
+
+
+def _ema(old: float | None, new: float, w: float = 0.3) -> float:
+    return new if old is None else (1 - w) * old + w * new
+
+
+class Controller:
+    """Chooses (mode, K) for each round of a speculative reply."""
+
+    PROBE_AFTER = 24  # plain tokens before speculation is tried again
+    DECAY = 0.85  # weight of the past in the acceptance estimate
+
+    def __init__(self, cfg: DecodeConfig, costs: Costs | None = None, alpha0: float = 0.7) -> None:
+        self.cfg = cfg
+        self.costs = costs or Costs()
+        # Acceptance as decayed counts of accepted drafts and of trials.
+        self._acc = alpha0 * 4
+        self._trials = 4.0
+        self.k = cfg.k if cfg.k is not None else min(max(4, cfg.k_min), cfg.k_max)
+        self.mode = Mode.SPEC
+        self._plain_since_probe = 0
+        self._pending_reason: str | None = None
+
+    @property
+    def alpha(self) -> float:
+        return self._acc / self._trials if self._trials else 0.0
+
+    @property
+    def adaptive(self) -> bool:
+        return self.cfg.k is None
+
+    def next(self) -> tuple[Mode, int]:
+        """Mode and K for the next round."""
+        if not self.adaptive:
+            return Mode.SPEC, self.k
+        if self.mode is Mode.PLAIN:
+            if self._plain_since_probe >= self.PROBE_AFTER:
+                self._plain_since_probe = 0
+                self._pending_reason = (
+                    f"probe: speculating again after {self.PROBE_AFTER} plain tokens "
+                    f"to re-measure acceptance (K={self.k})"
+                )
+                return Mode.SPEC, self.k
+            return Mode.PLAIN, 0
+        return Mode.SPEC, self.k
+
+    def take_reason(self) -> str | None:
+        reason, self._pending_reason = self._pending_reason, None
+        return reason
+
+    def observe_plain(self, step_ms: float) -> None:
+        self.costs.target_step_ms = _ema(self.costs.target_step_ms, step_ms)
+        self._plain_since_probe += 1
+
+    def observe_round(self, k: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
+        """Update α and the costs from one speculative round, then re-plan."""
+        trials = accepted + (1 if accepted < k else 0)
+        self._acc = self.DECAY * self._acc + accepted
+        self._trials = self.DECAY * self._trials + trials
+        if k > 0:
+            self.costs.draft_step_ms = _ema(self.costs.draft_step_ms, draft_ms / k)
+        step = self.costs.target_step_ms
+        if step:
+            slope = max(0.0, (verify_ms / step - 1.0) / k)
+            self.costs.verify_slope = _ema(self.costs.verify_slope, slope, 0.2)
+        else:
+            # No plain step measured yet: take the verify pass as an upper bound of a step.
+            self.costs.target_step_ms = verify_ms
+        if self.adaptive:
+            self._replan()
+
+    def best(self) -> tuple[int, float]:
+        c = self.costs.ratio()
+        if c is None:
+            return self.k, 1.0
+        alpha = min(self.alpha, 0.99)
+        options = [
+            (expected_speedup(alpha, k, c, self.costs.verify_ratio(k)), k)
+            for k in range(self.cfg.k_min, self.cfg.k_max + 1)
+        ]
+        s, k = max(options)
+        return k, s
+
+    def _replan(self) -> None:
+        c = self.costs.ratio()
+        if c is None:
+            return
+        k, s = self.best()
+        facts = f"α={self.alpha:.2f}, c={c:.2f}, v({k})={self.costs.verify_ratio(k):.2f}"
+        if s < 1.0:
+            self.mode = Mode.PLAIN
+            self._plain_since_probe = 0
+            self._pending_reason = (
+                f"fallback to plain: best expected speedup {s:.2f}x < 1 at K={k} ({facts}); "
+                f"probing again in {self.PROBE_AFTER} tokens"
+            )
+            self.k = k
+            return
+        if self.mode is Mode.PLAIN:
+            self.mode = Mode.SPEC
+            self._pending_reason = f"speculation pays again: {s:.2f}x expected at K={k} ({facts})"
+        elif k != self.k:
+            self._pending_reason = f"K {self.k}->{k}: expected speedup {s:.2f}x ({facts})"
+        self.k = k

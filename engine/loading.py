@@ -1,0 +1,262 @@
+"""Load target and draft: resolve the source, pick device and dtype, quantize, check tokenizers."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from .config import ModelSpec, QuantMode
+from .errors import ModelLoadError, TokenizerMismatchError
+from .events import LoadProgress, ModelInfo
+
+Progress = Callable[[LoadProgress], None]
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to decode, with what the UI and traces need to know about it."""
+
+    model: PreTrainedModel
+    tokenizer: Any  # a transformers tokenizer
+    device: torch.device
+    dtype: torch.dtype
+    info: ModelInfo
+    weights_sha256: str | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(
+            f"device {name!r} was asked for but CUDA is not available here",
+            hint="use --device cpu (or auto)",
+        )
+    return device
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """bfloat16 on CUDA; float32 on the CPU (exact, and bf16 GEMV is not faster on most CPUs)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def set_threads(threads: int | None) -> int:
+    """Torch intra-op threads: all cores unless told otherwise. Returns the count set."""
+    import os
+
+    n = threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(n)
+    return n
+
+
+def _check_causal_lm(pretrained: str, gguf_file: str | None, label: str) -> Any:
+    try:
+        config = AutoConfig.from_pretrained(pretrained, gguf_file=gguf_file)
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(
+            f"cannot read the model config of {label}: {_first_line(exc)}",
+            hint="check that the path holds a Hugging Face model folder (config.json) or a GGUF file",
+        ) from exc
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelLoadError(
+            f"{label} is not a causal language model (model type {config.model_type!r})",
+            hint="target and draft must be decoder-only language models",
+        )
+    return config
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def load_model(
+    spec: ModelSpec,
+    role: str,
+    *,
+    cache_dir: Path | None = None,
+    progress: Progress | None = None,
+) -> LoadedModel:
+    """Resolve spec.source (preset, folder, .gguf, hub id) and load it to decode."""
+    from . import registry
+
+    report = progress or (lambda _e: None)
+    resolved = registry.resolve(spec.source, cache_dir=cache_dir, progress=progress)
+    label = f"{role} model {spec.source!r}"
+    config = _check_causal_lm(resolved.pretrained, resolved.gguf_file, label)
+    device = pick_device(spec.device)
+    dtype = pick_dtype(spec.dtype, device)
+
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if resolved.gguf_file:
+        kwargs["gguf_file"] = resolved.gguf_file
+    quant: Any = None
+    if spec.quant is not QuantMode.NONE:
+        from . import quant as quant_mod
+
+        quant = quant_mod
+        quant.check(spec.quant, config, device)
+        kwargs.update(quant.load_kwargs(spec.quant, device))
+
+    report(LoadProgress("load", 0, 1, detail=f"{role}: {resolved.name}"))
+    t0 = time.perf_counter()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolved.pretrained, gguf_file=resolved.gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(resolved.pretrained, **kwargs)
+    except torch.OutOfMemoryError as exc:
+        from .errors import OutOfMemoryError
+
+        raise OutOfMemoryError(
+            f"out of memory while loading the {label}",
+            hint="try a quantized mode or a smaller model",
+        ) from exc
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        raise ModelLoadError(
+            f"cannot load the {label}: {_first_line(exc)}",
+            hint="the files may be missing or corrupt; `specchat models verify` checks presets",
+        ) from exc
+    if "device_map" not in kwargs:
+        model.to(device)  # in place for nn.Module
+    if quant is not None:
+        model = quant.apply(model, spec.quant)
+    model.eval()
+    model.requires_grad_(False)
+    report(
+        LoadProgress(
+            "load", 1, 1, detail=f"{role}: {resolved.name} in {time.perf_counter() - t0:.1f}s"
+        )
+    )
+    return LoadedModel(
+        model,
+        tokenizer,
+        device,
+        dtype,
+        describe(model, role, resolved.name, spec.source, device, dtype, spec.quant),
+        resolved.weights_sha256,
+    )
+
+
+def describe(
+    model: PreTrainedModel,
+    role: str,
+    name: str,
+    source: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    quant: QuantMode = QuantMode.NONE,
+) -> ModelInfo:
+    cfg = model.config
+    try:
+        from .memory import kv_bytes_per_token, weight_bytes
+
+        wbytes = weight_bytes(model)
+        kv = kv_bytes_per_token(cfg, dtype)
+    except ImportError:  # memory accounting not available: count parameters
+        wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv = (
+            2
+            * cfg.num_hidden_layers
+            * heads
+            * head_dim
+            * torch.tensor([], dtype=dtype).element_size()
+        )
+    return ModelInfo(
+        role=role,
+        name=name,
+        source=source,
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        quant=quant.value,
+        params=sum(p.numel() for p in model.parameters()),
+        weight_bytes=int(wbytes),
+        kv_bytes_per_token=int(kv),
+        layers=int(cfg.num_hidden_layers),
+        context_length=int(getattr(cfg, "max_position_embeddings", 2048) or 2048),
+    )
+
+
+def tokenizer_fingerprint(tok: Any) -> dict[str, Any]:
+    """What must agree between target and draft: vocabulary, merges, special tokens."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    model_json: dict[str, Any] = {}
+    if backend is not None:
+        model_json = json.loads(backend.to_str()).get("model", {})
+    return {
+        "vocab": tok.get_vocab(),
+        "merges": model_json.get("merges"),
+        "special": sorted((str(k), str(v)) for k, v in (tok.special_tokens_map or {}).items()),
+        "added": sorted((t.content, i) for i, t in tok.added_tokens_decoder.items()),
+    }
+
+
+def check_tokenizers_match(target: Any, draft: Any) -> None:
+    """Refuse a draft whose tokens would mean something else to the target; say what differs."""
+    a, b = tokenizer_fingerprint(target), tokenizer_fingerprint(draft)
+    problems: list[str] = []
+    va, vb = a["vocab"], b["vocab"]
+    if va != vb:
+        if len(va) != len(vb):
+            problems.append(f"vocabulary sizes differ ({len(va)} vs {len(vb)})")
+        differing = [t for t in va if vb.get(t) != va[t]]
+        if differing:
+            sample = ", ".join(f"{t!r}: {va[t]} vs {vb.get(t)}" for t in differing[:3])
+            problems.append(f"{len(differing)} tokens map to different ids (e.g. {sample})")
+    if a["merges"] != b["merges"]:
+        problems.append("BPE merges differ")
+    if a["special"] != b["special"]:
+        sa, sb = dict(a["special"]), dict(b["special"])
+        diff = [
+            f"{k}: {sa.get(k)!r} vs {sb.get(k)!r}"
+            for k in sorted(set(sa) | set(sb))
+            if sa.get(k) != sb.get(k)
+        ]
+        problems.append("special tokens differ (" + "; ".join(diff[:3]) + ")")
+    if a["added"] != b["added"] and not problems:
+        problems.append("added tokens differ")
+    if problems:
+        raise TokenizerMismatchError(
+            "the target and draft tokenizers do not match: " + "; ".join(problems),
+            hint="speculative decoding needs a draft from the same model family (same tokenizer); "
+            "use --draft none for plain decoding",
+        )
+
+
+def layer_truncated(model: PreTrainedModel, n_layers: int) -> PreTrainedModel:
+    """A model made of the first n_layers of `model` plus its final norm and head.
+
+    The layers and weights are shared (no copy); only the module list and the
+    config differ. Used as a cheap draft in tests and as the self-speculative draft.
+    """
+    total = int(model.config.num_hidden_layers)
+    if not 1 <= n_layers <= total:
+        raise ValueError(f"n_layers must be in 1..{total}, got {n_layers}")
+    small = copy.copy(model)
+    small._modules = dict(model._modules)  # copy.copy shares the children dict
+    small.config = copy.deepcopy(model.config)
+    small.config.num_hidden_layers = n_layers
+    if hasattr(small.config, "layer_types") and small.config.layer_types:
+        small.config.layer_types = small.config.layer_types[:n_layers]
+    inner = copy.copy(model.model)
+    inner._modules = dict(model.model._modules)
+    inner.config = small.config
+    inner.layers = torch.nn.ModuleList(list(model.model.layers)[:n_layers])
+    small.model = inner
+    return small

@@ -1,0 +1,62 @@
+"""One model and its KV cache, fed incrementally and rolled back by cropping.
+
+Invariant: the cache holds K/V for the first `cached` tokens of the sequence
+the caller tracks. `forward(seq)` feeds `seq[cached:]` and returns the logits
+of the last `keep` fed positions; `crop_to(n)` forgets everything after the
+first n tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache, PreTrainedModel
+
+
+class ModelRunner:
+    def __init__(self, model: PreTrainedModel, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.cache = DynamicCache(config=model.config)
+        self.cached = 0
+        self.vocab = int(model.get_output_embeddings().weight.shape[0])
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.cached = 0
+
+    def crop_to(self, n: int) -> None:
+        """Keep K/V for the first n tokens only (no-op if fewer are cached)."""
+        if self.cached > n:
+            self.cache.crop(-(self.cached - n))
+            self.cached = n
+
+    @torch.inference_mode()
+    def feed(self, ids: Tensor | list[int], keep: int = 1) -> Tensor:
+        """Append ids [S] to the cache; return logits of the last `keep` positions [keep, V]."""
+        if isinstance(ids, list):
+            ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        n = int(ids.shape[-1])
+        if n == 0:
+            raise ValueError("feed() needs at least one new token")
+        out = self.model(
+            input_ids=ids.view(1, n),
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=min(keep, n),
+        )
+        self.cached += n
+        return out.logits[0]  # [keep, V]
+
+    def forward(self, seq: list[int], keep: int = 1) -> Tensor:
+        """Feed seq[cached:] (at least one token) and return the last `keep` logits."""
+        if self.cached >= len(seq):
+            # The last token must be fed again to get its logits.
+            self.crop_to(len(seq) - 1)
+        return self.feed(seq[self.cached :], keep)
+
+    def prefill(self, seq: list[int]) -> None:
+        """Bring the cache to hold seq[:-1], so the next forward yields the next-token logits."""
+        self.crop_to(len(seq) - 1)
+        if self.cached < len(seq) - 1:
+            self.feed(seq[self.cached : len(seq) - 1], keep=1)

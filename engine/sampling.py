@@ -1,0 +1,79 @@
+"""Pure tensor functions: logits -> probabilities, sampling, the speculative residual.
+
+Temperature, top-k and top-p are applied by one function, `logits_to_probs`,
+so the target and the draft distributions are processed identically before
+the acceptance test (Leviathan et al. 2023, "Fast Inference from Transformers
+via Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language
+Model Decoding with Speculative Sampling").
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def logits_to_probs(
+    logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+) -> Tensor:
+    """Processed sampling distribution over the last dimension.
+
+    logits: [..., V] (any float dtype); returns float32 probabilities [..., V].
+    temperature must be > 0 here; greedy decoding never calls this.
+    """
+    if temperature <= 0:
+        raise ValueError("logits_to_probs needs temperature > 0; greedy decoding uses argmax")
+    x = logits.float() / temperature
+    vocab = x.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]  # [..., 1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        sorted_p = torch.softmax(sorted_x, dim=-1)
+        # Drop a token when the tokens ranked above it already cover top_p;
+        # the most probable token is always kept.
+        mass_above = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        drop_sorted = mass_above >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return torch.softmax(x, dim=-1)
+
+
+def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One token id per row of probs [..., V] -> [...]."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    ids = torch.multinomial(flat, num_samples=1, generator=generator)  # [N, 1]
+    return ids.reshape(probs.shape[:-1])
+
+
+def residual(p_target: Tensor, p_draft: Tensor) -> Tensor:
+    """The distribution to resample from after a rejection: norm(max(0, p_target - p_draft)).
+
+    Where the two are equal (the residual has no mass; only reachable through
+    rounding), falls back to p_target, which is then the exact answer.
+    """
+    r = torch.clamp(p_target - p_draft, min=0.0)
+    total = r.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, r / total.clamp_min(1e-30), p_target)
+
+
+def token_probs(logits: Tensor, ids: Tensor) -> Tensor:
+    """softmax(logits)[ids] without materialising the softmax: logits [N, V], ids [N] -> [N]."""
+    x = logits.float()
+    picked = x.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    return torch.exp(picked - torch.logsumexp(x, dim=-1))
+
+
+def align_vocab(logits: Tensor, vocab: int) -> Tensor:
+    """Fit a draft's logits [..., Vd] to the target's vocabulary size.
+
+    Rows the draft lacks get -inf (probability 0); ids the target lacks are cut.
+    """
+    have = logits.shape[-1]
+    if have == vocab:
+        return logits
+    if have > vocab:
+        return logits[..., :vocab]
+    pad = logits.new_full((*logits.shape[:-1], vocab - have), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)

@@ -1,0 +1,547 @@
+"""ChatSession: a conversation over a target (and draft) model, streamed as events.
+
+The session keeps both models' KV caches for the conversation so far. Each
+turn renders the whole conversation with the chat template, keeps the cached
+prefix it shares with what the caches hold, and prefills only the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from .config import DecodeConfig, Mode, ModelSpec
+from .controller import Controller, Costs
+from .errors import ContextOverflowError, EngineError
+from .events import (
+    Cancelled,
+    Event,
+    Failed,
+    LoadProgress,
+    Notice,
+    Ready,
+    RoundEvent,
+    TokenEvent,
+    TurnFinished,
+    TurnStarted,
+    TurnStats,
+)
+from .loading import LoadedModel, check_tokenizers_match, load_model, set_threads
+from .runner import ModelRunner
+from .speculative import Drafter, ModelDrafter, RoundResult, plain_step, speculative_round
+from .text import IncrementalDecoder, find_stop, held_back
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[LoadProgress], None]
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def eos_ids(model: LoadedModel) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (model.model.generation_config, model.model.config, model.tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+class ChatSession:
+    """Multi-turn chat on one target and an optional draft; implements `ChatBackend`."""
+
+    # Tokens kept free for the reply when the conversation must be trimmed.
+    MIN_REPLY_ROOM = 64
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        draft: LoadedModel | None = None,
+        *,
+        system_prompt: str | None = None,
+        max_context: int | None = None,
+        load_seconds: float = 0.0,
+    ) -> None:
+        self.target = target
+        self.draft = draft
+        self.tokenizer = target.tokenizer
+        self.target_runner = ModelRunner(target.model, target.device)
+        self.drafter: Drafter | None = (
+            ModelDrafter(ModelRunner(draft.model, draft.device), draft.info.name) if draft else None
+        )
+        self._self_drafter: Drafter | None = None
+        self._self_drafter_layer: int | None = None
+        self.system_prompt = system_prompt
+        limits = [target.info.context_length]
+        if draft:
+            limits.append(draft.info.context_length)
+        if max_context:
+            limits.append(max_context)
+        self.context_length = min(limits)
+        self.eos = eos_ids(target)
+        self.has_template = bool(getattr(self.tokenizer, "chat_template", None))
+        self.tokens: list[int] = []  # the sequence the target cache follows
+        self._messages: list[tuple[str, str]] = []
+        self.turn = 0
+        self.costs = Costs()
+        notes: list[str] = []
+        if not self.has_template:
+            notes.append(
+                "the model has no chat template: plain continuation format "
+                "(turns joined by newlines)"
+            )
+        self._notes = notes
+        self.load_seconds = load_seconds
+        self.ready = self._make_ready()
+
+    # -- construction -------------------------------------------------------
+
+    @classmethod
+    def load(
+        cls,
+        target: ModelSpec,
+        draft: ModelSpec | None = None,
+        *,
+        cache_dir: Path | None = None,
+        progress: Progress | None = None,
+        threads: int | None = None,
+        system_prompt: str | None = None,
+        max_context: int | None = None,
+        measure: bool = True,
+    ) -> ChatSession:
+        """Load the models (fetching presets as needed). Raises EngineError."""
+        set_threads(threads)
+        t0 = time.perf_counter()
+        tgt = load_model(target, "target", cache_dir=cache_dir, progress=progress)
+        drf = load_model(draft, "draft", cache_dir=cache_dir, progress=progress) if draft else None
+        if drf is not None:
+            check_tokenizers_match(tgt.tokenizer, drf.tokenizer)
+        session = cls(
+            tgt,
+            drf,
+            system_prompt=system_prompt,
+            max_context=max_context,
+            load_seconds=time.perf_counter() - t0,
+        )
+        if measure and drf is not None:
+            session.measure_costs()
+        return session
+
+    def _make_ready(self) -> Ready:
+        t = self.target.info
+        parts = [
+            f"target {t.name} ({t.device}, {t.dtype}, {t.quant}, {t.params / 1e6:.1f}M params)"
+        ]
+        if self.draft:
+            d = self.draft.info
+            parts.append(
+                f"draft {d.name} ({d.device}, {d.dtype}, {d.quant}, {d.params / 1e6:.1f}M)"
+            )
+        c = self.costs.ratio()
+        notes = list(self._notes)
+        if c is not None:
+            notes.append(
+                f"measured: draft/target step cost c={c:.2f}, "
+                f"target step {self.costs.target_step_ms:.1f} ms, "
+                f"verify slope {self.costs.verify_slope:.3f}/token"
+            )
+        return Ready(
+            summary="; ".join(parts),
+            target=t,
+            draft=self.draft.info if self.draft else None,
+            chat_template=self.has_template,
+            load_seconds=self.load_seconds,
+            notes=tuple(notes),
+        )
+
+    def measure_costs(self, k: int = 4, repeats: int = 3) -> Costs:
+        """Time one target step, one verify pass of k+1 tokens and one draft step."""
+        if self.drafter is None or self.draft is None:
+            return self.costs
+        seq = [int(i) % 64 + 3 for i in range(24)]
+        draft_runner = ModelRunner(self.draft.model, self.draft.device)
+
+        def timed(runner: ModelRunner, n_new: int) -> float:
+            runner.reset()
+            runner.prefill(seq)  # caches seq[:-1]
+            start = time.perf_counter()
+            runner.feed(seq[-1:] * n_new, keep=n_new)
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)
+            return (time.perf_counter() - start) * 1e3
+
+        def median(runner: ModelRunner, n_new: int) -> float:
+            timed(runner, n_new)  # warm-up
+            values = sorted(timed(runner, n_new) for _ in range(repeats))
+            return values[len(values) // 2]
+
+        step = median(self.target_runner, 1)
+        verify = median(self.target_runner, k + 1)
+        draft_step = median(draft_runner, 1)
+        self.target_runner.reset()
+        self.tokens = []
+        self.costs = Costs(
+            target_step_ms=step,
+            draft_step_ms=draft_step,
+            verify_slope=max(0.0, (verify / step - 1.0) / k),
+        )
+        self.ready = self._make_ready()
+        return self.costs
+
+    # -- the ChatBackend interface -------------------------------------------
+
+    @property
+    def messages(self) -> tuple[tuple[str, str], ...]:
+        return tuple(self._messages)
+
+    def reset(self) -> None:
+        """A new conversation. The caches stay: the next turn reuses their common prefix."""
+        self._messages.clear()
+
+    def stream(
+        self, prompt: str, config: DecodeConfig, cancel: threading.Event | None = None
+    ) -> Iterator[Event]:
+        self._messages.append(("user", prompt))
+        yield from self._reply(config, cancel)
+
+    def regenerate(
+        self, config: DecodeConfig, cancel: threading.Event | None = None
+    ) -> Iterator[Event]:
+        if self._messages and self._messages[-1][0] == "assistant":
+            self._messages.pop()
+        if not self._messages:
+            yield Failed("there is no prompt to answer again", hint="type a prompt first")
+            return
+        yield from self._reply(config, cancel)
+
+    # -- rendering and context -----------------------------------------------
+
+    def render(self, messages: list[tuple[str, str]]) -> list[int]:
+        """Token ids of the conversation, ready for the assistant's reply."""
+        if self.has_template:
+            chat: list[dict[str, str]] = []
+            if self.system_prompt:
+                chat.append({"role": "system", "content": self.system_prompt})
+            chat.extend({"role": r, "content": c} for r, c in messages)
+            text = self.tokenizer.apply_chat_template(
+                chat, add_generation_prompt=True, tokenize=False
+            )
+            ids: list[int] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return ids
+        parts = ([self.system_prompt] if self.system_prompt else []) + [c for _, c in messages]
+        plain: list[int] = self.tokenizer("\n".join(parts))["input_ids"]
+        return plain
+
+    def _fit_context(self, cfg: DecodeConfig) -> tuple[list[int], list[str]]:
+        """Render, dropping the oldest turns (never the system prompt) when needed."""
+        room = min(cfg.max_new_tokens, max(self.MIN_REPLY_ROOM, self.context_length // 4))
+        limit = self.context_length - room
+        ids = self.render(self._messages)
+        dropped = 0
+        while len(ids) > limit and len(self._messages) > 1:
+            # Drop the oldest user turn and the reply that followed it.
+            self._messages.pop(0)
+            dropped += 1
+            if self._messages and self._messages[0][0] == "assistant":
+                self._messages.pop(0)
+                dropped += 1
+            ids = self.render(self._messages)
+        if len(ids) > limit:
+            raise ContextOverflowError(
+                f"the prompt is {len(ids)} tokens; the context holds {self.context_length} "
+                f"with {room} kept for the reply",
+                hint="shorten the prompt or lower --max-new-tokens",
+            )
+        notes = []
+        if dropped:
+            notes.append(
+                f"context full: dropped the {dropped} oldest message(s) to fit "
+                f"{self.context_length} tokens (the system prompt is kept)"
+            )
+        return ids, notes
+
+    # -- drafters for each mode ----------------------------------------------
+
+    def _drafter_for(self, cfg: DecodeConfig) -> tuple[Drafter | None, str | None]:
+        if cfg.mode is Mode.SPEC:
+            if self.drafter is None:
+                return None, "no draft model is loaded: plain decoding"
+            return self.drafter, None
+        if cfg.mode is Mode.SELF_SPEC:
+            try:
+                from .early_exit import SelfSpecDrafter
+            except ImportError:
+                return None, "self-speculative decoding is not available: plain decoding"
+            layer = cfg.exit_layer or max(1, self.target.num_layers // 4)
+            if self._self_drafter is None or self._self_drafter_layer != layer:
+                self._self_drafter = SelfSpecDrafter(self.target, layer)
+                self._self_drafter_layer = layer
+            return self._self_drafter, None
+        return None, None
+
+    # -- the decoding loop ----------------------------------------------------
+
+    def _reply(self, cfg: DecodeConfig, cancel: threading.Event | None) -> Iterator[Event]:
+        t_start = time.perf_counter()
+        user_turns = len(self._messages)
+        try:
+            yield from self._decode(cfg, cancel, t_start)
+        except EngineError as exc:
+            self._recover(user_turns)
+            yield Failed(exc.message, exc.hint)
+        except torch.OutOfMemoryError:
+            self._recover(user_turns)
+            yield Failed(
+                "out of memory while decoding",
+                hint="lower --max-new-tokens, start a new conversation, or use a quantized/smaller model",
+            )
+        except Exception as exc:  # a bug or a backend failure: report it, keep the UI alive
+            log.exception("decoding failed")
+            self._recover(user_turns)
+            yield Failed(
+                f"decoding failed: {type(exc).__name__}: {exc}", hint="see the log for details"
+            )
+
+    def _recover(self, user_turns: int) -> None:
+        """After a failure: drop the failed turn and the caches (re-prefilled next turn)."""
+        del self._messages[user_turns - 1 :]
+        self.tokens = []
+        self.target_runner.reset()
+        for d in (self.drafter, self._self_drafter):
+            if d is not None:
+                d.reset()
+
+    def _decode(
+        self, cfg: DecodeConfig, cancel: threading.Event | None, t_start: float
+    ) -> Iterator[Event]:
+        try:
+            ids, notes = self._fit_context(cfg)
+        except ContextOverflowError as exc:
+            self._messages.pop()
+            yield Failed(exc.message, exc.hint)
+            return
+        for note in notes:
+            yield Notice(note, "warning")
+
+        drafter, why_not = self._drafter_for(cfg)
+        if why_not:
+            yield Notice(why_not, "warning")
+        run_mode = cfg.mode if drafter is not None or cfg.mode is Mode.EARLY_EXIT else Mode.PLAIN
+        early_exit_step = None
+        if run_mode is Mode.EARLY_EXIT:
+            try:
+                from .early_exit import EarlyExitStepper
+            except ImportError:
+                yield Notice("early exit is not available: plain decoding", "warning")
+                run_mode = Mode.PLAIN
+            else:
+                early_exit_step = EarlyExitStepper.for_session(self, cfg)
+
+        # Reuse the cached prefix; prefill the rest (all but the last token).
+        reuse = common_prefix_len(self.tokens, ids)
+        self.target_runner.crop_to(reuse)
+        if drafter is not None:
+            drafter.rollback(reuse)
+        t0 = time.perf_counter()
+        self.target_runner.prefill(ids)
+        if isinstance(drafter, ModelDrafter):
+            drafter.runner.prefill(ids)
+        prefill_ms = (time.perf_counter() - t0) * 1e3
+        self.turn += 1
+        self.tokens = seq = list(ids)
+        yield TurnStarted(self.turn, len(ids), len(ids) - reuse, run_mode, prefill_ms)
+
+        generator = torch.Generator(device=self.target.device)
+        generator.manual_seed(
+            cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(4), "little")
+        )
+        controller = Controller(cfg, self.costs)
+        decoder = IncrementalDecoder(self.tokenizer, context=ids)
+
+        generated = 0
+        rounds = spec_rounds = drafted = accepted = early_exits = 0
+        layers_total = 0
+        layers_known = 0
+        fallbacks: list[str] = []
+        reply_text = ""  # text released to the UI
+        pending: list[TokenEvent] = []  # held back: may be the start of a stop string
+        pending_text = ""
+        t_first: float | None = None
+        stop_reason = "max_tokens"
+
+        while True:
+            if cancel is not None and cancel.is_set():
+                stop_reason = "cancelled"
+                break
+            remaining = cfg.max_new_tokens - generated
+            room = self.context_length - len(seq)
+            if remaining <= 0:
+                break
+            if room <= 0:
+                stop_reason = "context"
+                break
+
+            if run_mode in (Mode.SPEC, Mode.SELF_SPEC):
+                mode, k = controller.next()
+                k = min(k, remaining - 1, room - 1)
+            else:
+                mode, k = run_mode, 0
+            reason = controller.take_reason()
+
+            res: RoundResult
+            if mode in (Mode.SPEC, Mode.SELF_SPEC) and k >= 1 and drafter is not None:
+                res = speculative_round(self.target_runner, drafter, seq, k, cfg, generator)
+                controller.observe_round(res.k, res.accepted, res.draft_ms, res.verify_ms)
+                spec_rounds += 1
+                drafted += res.k
+                accepted += res.accepted
+                round_mode = run_mode
+            elif early_exit_step is not None:
+                res = early_exit_step.step(seq, cfg, generator)
+                round_mode = Mode.EARLY_EXIT
+            else:
+                res = plain_step(self.target_runner, seq, cfg, generator)
+                if run_mode is not Mode.PLAIN:
+                    controller.observe_plain(res.verify_ms)
+                round_mode = Mode.PLAIN
+            rounds += 1
+            reason = controller.take_reason() or reason
+            if reason:
+                fallbacks.append(reason)
+
+            finished = False
+            for i, em in enumerate(res.tokens):
+                seq.append(em.token_id)
+                generated += 1
+                if res.layers_run:
+                    layers_total += res.layers_run[i]
+                    layers_known += 1
+                if em.exit_layer is not None:
+                    early_exits += 1
+                is_eos = em.token_id in self.eos
+                text = "" if is_eos else decoder.add(em.token_id)
+                if is_eos:
+                    text = decoder.flush()
+                now = time.perf_counter()
+                if t_first is None:
+                    t_first = now
+                pending.append(
+                    TokenEvent(
+                        token_id=em.token_id,
+                        text=text,
+                        provenance=em.provenance,
+                        round=rounds,
+                        position=em.position,
+                        p_target=em.p_target,
+                        p_draft=em.p_draft,
+                        exit_layer=em.exit_layer,
+                        confidence=em.confidence,
+                        rejected_id=em.rejected_id,
+                        rejected_text=(
+                            self.tokenizer.decode([em.rejected_id])
+                            if em.rejected_id is not None
+                            else None
+                        ),
+                        t=now,
+                    )
+                )
+                pending_text += text
+                if cfg.stop:
+                    full = reply_text + pending_text
+                    hit = find_stop(full, cfg.stop)
+                    if hit >= 0:
+                        released, pending = _trim_to(pending, hit - len(reply_text))
+                        yield from released
+                        reply_text = full[:hit]
+                        pending_text = ""
+                        stop_reason = "stop_string"
+                        finished = True
+                        break
+                    if held_back(full, cfg.stop):
+                        continue
+                yield from pending
+                reply_text += pending_text
+                pending, pending_text = [], ""
+                if is_eos:
+                    stop_reason = "eos"
+                    finished = True
+                    break
+                if generated >= cfg.max_new_tokens:
+                    break
+            yield RoundEvent(
+                round=rounds,
+                mode=round_mode,
+                k=res.k,
+                accepted=res.accepted,
+                draft_ms=res.draft_ms,
+                verify_ms=res.verify_ms,
+                fallback_reason=reason,
+                next_mode=controller.mode if run_mode in (Mode.SPEC, Mode.SELF_SPEC) else run_mode,
+                next_k=controller.k if run_mode in (Mode.SPEC, Mode.SELF_SPEC) else None,
+            )
+            if finished:
+                break
+
+        if stop_reason != "stop_string":
+            tail = decoder.flush()
+            yield from pending
+            reply_text += pending_text + tail
+        self.tokens = seq
+        self._messages.append(("assistant", reply_text))
+        seconds = time.perf_counter() - t_start
+        if stop_reason == "cancelled":
+            yield Cancelled(generated, reply_text)
+            return
+        optimizations = [run_mode.value]
+        if run_mode in (Mode.SPEC, Mode.SELF_SPEC):
+            optimizations.append(f"K={cfg.k}" if cfg.k is not None else "K=auto")
+        yield TurnFinished(
+            TurnStats(
+                tokens=generated,
+                seconds=seconds,
+                tokens_per_s=generated / seconds if seconds > 0 else 0.0,
+                ttft_s=(t_first - t_start) if t_first is not None else seconds,
+                rounds=rounds,
+                drafted=drafted,
+                accepted=accepted,
+                acceptance_rate=accepted / drafted if drafted else None,
+                mean_accepted_length=(accepted + spec_rounds) / spec_rounds
+                if spec_rounds
+                else None,
+                mode=run_mode,
+                optimizations=tuple(optimizations),
+                fallbacks=tuple(fallbacks),
+                stop_reason=stop_reason,
+                text=reply_text,
+                early_exits=early_exits,
+                mean_layers=layers_total / layers_known if layers_known else None,
+            )
+        )
+
+
+def _trim_to(
+    pending: list[TokenEvent], keep_chars: int
+) -> tuple[list[TokenEvent], list[TokenEvent]]:
+    """Release pending tokens with their text cut after keep_chars characters."""
+    out: list[TokenEvent] = []
+    left = max(0, keep_chars)
+    for ev in pending:
+        text = ev.text[:left]
+        left -= len(text)
+        out.append(replace(ev, text=text))
+    return out, []

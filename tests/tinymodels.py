@@ -1,0 +1,76 @@
+"""Tiny models and a tokenizer built in code: fast, no downloads, fixed seeds."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from specchat.engine.config import QuantMode
+from specchat.engine.loading import LoadedModel, describe
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+CORPUS = [
+    "Once upon a time there was a little robot who loved to read.",
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog. Café, naïve, 東京, emoji 🙂!",
+    "Speculative decoding drafts tokens and the target verifies them in one pass.",
+]
+
+
+@functools.cache
+def tiny_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
+    """A byte-level BPE (so multi-byte characters split over tokens) with <s> and </s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+
+
+def tiny_llama(
+    seed: int = 0,
+    layers: int = 4,
+    hidden: int = 64,
+    vocab: int | None = None,
+    intermediate: int = 128,
+    max_positions: int = 256,
+) -> LlamaForCausalLM:
+    tok = tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=vocab or len(tok),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+        initializer_range=0.1,  # the default 0.02 makes a random model repeat one token
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    # Sharper logits (top-1 around 0.2), so greedy paths are rarely near-ties.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    return model.requires_grad_(False)
+
+
+def loaded(model: torch.nn.Module, role: str = "target", tokenizer: object = None) -> LoadedModel:
+    tok = tokenizer or tiny_tokenizer()
+    device = torch.device("cpu")
+    dtype = next(model.parameters()).dtype
+    info = describe(model, role, f"tiny-{role}", "code", device, dtype, QuantMode.NONE)  # type: ignore[arg-type]
+    return LoadedModel(model, tok, device, dtype, info)  # type: ignore[arg-type]
