@@ -1,0 +1,396 @@
+"""Rolling statistics of a decoding session, fed with engine events.
+
+Pure Python and headless: the chat's side panels and `specchat bench` read
+the same numbers from the same class.
+
+    metrics = DecodeMetrics()
+    for event in session.stream(prompt, config):
+        metrics.observe(event)
+    metrics.acceptance_rate, metrics.p50_ms, metrics.expected_speedup()
+
+Definitions (speculative decoding as in Leviathan et al. 2023, Chen et al. 2023):
+
+- acceptance rate alpha = accepted draft tokens / drafted tokens, over the
+  speculative rounds (k > 0);
+- mean accepted length = tokens emitted per speculative round (the accepted
+  drafts plus the target's corrected or bonus token), as in `TurnStats`;
+- acceptance at draft position i = P(draft i accepted | drafts 1..i-1 accepted)
+  = rounds with accepted >= i / rounds with accepted >= i-1 and k >= i;
+- per-token latency: the wall-clock gap between a round's emission and the
+  previous round's, divided by the tokens the round emitted (the first round
+  of a reply counts its draft + verify time; prefill is time to first token);
+- cost ratio c = draft time per drafted token / target verify time per round;
+- expected speedup at alpha, K and c: (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .config import Mode
+from .events import (
+    Cancelled,
+    Failed,
+    Provenance,
+    RoundEvent,
+    TokenEvent,
+    TurnFinished,
+    TurnStarted,
+)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation; None for no values."""
+    if not values:
+        return None
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"q must be in [0, 100], got {q}")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    frac = pos - lo
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * frac
+
+
+def expected_speedup(alpha: float, k: int, c: float) -> float:
+    """Expected walltime improvement of speculative decoding over plain decoding.
+
+    Leviathan et al. 2023, Theorem 3.8: with acceptance rate `alpha`, `k`
+    drafted tokens per round and cost ratio `c` (one draft step over one
+    target step), the speedup is (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)).
+    At alpha = 1 the limit (k + 1) / (k c + 1) is returned.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    if c < 0:
+        raise ValueError(f"c must be >= 0, got {c}")
+    tokens_per_round = (k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+    return tokens_per_round / (k * c + 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class RoundTiming:
+    """What the metrics keep of one round."""
+
+    round: int
+    mode: Mode
+    k: int
+    accepted: int
+    tokens: int
+    draft_ms: float
+    verify_ms: float
+
+
+class DecodeMetrics:
+    """Statistics over the events of a session (or of a benchmark run).
+
+    Counters (acceptance, histograms, early exits) run since the last
+    `reset()`; latencies and round timings keep the last `window` values.
+    Feed every event to `observe`; events it does not use are ignored.
+    """
+
+    def __init__(self, *, window: int = 512) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        self.reset()
+
+    # -- feeding ---------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget everything (a new conversation)."""
+        self.turns = 0
+        self.tokens = 0
+        self.rounds = 0
+        self.provenance: Counter[Provenance] = Counter()
+        # speculative rounds
+        self.spec_rounds = 0
+        self.drafted = 0
+        self.accepted = 0
+        self.spec_tokens = 0
+        self._reached: Counter[int] = Counter()  # position i (1-based) -> rounds with k >= i and accepted >= i-1
+        self._passed: Counter[int] = Counter()  # position i -> rounds with accepted >= i
+        self._accepted_lengths: Counter[int] = Counter()
+        # controller
+        self.last_round: RoundEvent | None = None
+        self.fallbacks: list[tuple[int, str]] = []
+        # latency
+        self.token_latencies_ms: deque[float] = deque(maxlen=self.window)
+        self.round_timings: deque[RoundTiming] = deque(maxlen=self.window)
+        self.ttft_s: float | None = None
+        self.tokens_per_s: float | None = None
+        self._turn_start: float | None = None
+        self._turn_tokens = 0
+        self._first_token_t: float | None = None
+        self._last_emit_t: float | None = None
+        self._turn_finished = False
+        # early exit
+        self.exit_tokens = 0
+        self.exit_mode_tokens = 0
+        self.exit_layers: Counter[int] = Counter()
+        self._exit_confidence_sum = 0.0
+        self._exit_confidence_n = 0
+        self._exit_layer_sum = 0
+        # tokens of the round in progress
+        self._pending: list[TokenEvent] = []
+
+    def observe(self, event: object, *, now: float | None = None) -> None:
+        """Take one engine event into account.
+
+        `now` is the `time.perf_counter()` value to use for events without a
+        timestamp of their own (TurnStarted: when the prompt was submitted);
+        it defaults to the current time.
+        """
+        if isinstance(event, TokenEvent):
+            self._on_token(event)
+        elif isinstance(event, RoundEvent):
+            self._on_round(event)
+        elif isinstance(event, TurnStarted):
+            self.start_turn(time.perf_counter() if now is None else now)
+        elif isinstance(event, TurnFinished):
+            self._on_finished(event)
+        elif isinstance(event, Cancelled | Failed):
+            self._pending.clear()
+            self._turn_finished = True
+
+    def observe_all(self, events: Iterable[object]) -> None:
+        for event in events:
+            self.observe(event)
+
+    def start_turn(self, t: float) -> None:
+        """A reply begins; `t` is when the prompt was submitted (perf_counter)."""
+        self.turns += 1
+        self._turn_start = t
+        self._turn_tokens = 0
+        self._first_token_t = None
+        self._last_emit_t = None
+        self._turn_finished = False
+        self.ttft_s = None
+        self.tokens_per_s = None
+        self._pending.clear()
+
+    def _on_token(self, ev: TokenEvent) -> None:
+        self.tokens += 1
+        self._turn_tokens += 1
+        self.provenance[ev.provenance] += 1
+        self._pending.append(ev)
+        if ev.t and self._first_token_t is None:
+            self._first_token_t = ev.t
+            if self._turn_start is not None:
+                self.ttft_s = max(0.0, ev.t - self._turn_start)
+        if ev.t and self._turn_start is not None:
+            elapsed = ev.t - self._turn_start
+            if elapsed > 0:
+                self.tokens_per_s = self._turn_tokens / elapsed
+        if ev.provenance is Provenance.EARLY_EXIT:
+            self.exit_tokens += 1
+            if ev.exit_layer is not None:
+                self.exit_layers[ev.exit_layer] += 1
+                self._exit_layer_sum += ev.exit_layer
+            if ev.confidence is not None:
+                self._exit_confidence_sum += ev.confidence
+                self._exit_confidence_n += 1
+
+    def _on_round(self, ev: RoundEvent) -> None:
+        tokens = self._pending
+        self._pending = []
+        n = len(tokens)
+        self.rounds += 1
+        self.last_round = ev
+        if ev.fallback_reason:
+            self.fallbacks.append((ev.round, ev.fallback_reason))
+        if ev.k > 0:
+            self.spec_rounds += 1
+            self.drafted += ev.k
+            accepted = min(ev.accepted, ev.k)
+            self.accepted += accepted
+            self.spec_tokens += n if n else accepted + 1
+            self._accepted_lengths[accepted] += 1
+            for i in range(1, min(ev.k, accepted + 1) + 1):
+                self._reached[i] += 1
+                if accepted >= i:
+                    self._passed[i] += 1
+        if ev.mode is Mode.EARLY_EXIT:
+            self.exit_mode_tokens += n
+        self.round_timings.append(
+            RoundTiming(ev.round, ev.mode, ev.k, ev.accepted, n, ev.draft_ms, ev.verify_ms)
+        )
+        # per-token latency
+        if n:
+            emit_t = max(t.t for t in tokens)
+            if self._last_emit_t is not None and emit_t > 0:
+                gap_ms = (emit_t - self._last_emit_t) * 1000.0
+            else:
+                gap_ms = ev.draft_ms + ev.verify_ms
+            per_token = max(0.0, gap_ms) / n
+            self.token_latencies_ms.extend([per_token] * n)
+            if emit_t > 0:
+                self._last_emit_t = emit_t
+
+    def _on_finished(self, ev: TurnFinished) -> None:
+        stats = ev.stats
+        self._pending.clear()
+        self._turn_finished = True
+        # The engine's own accounting is authoritative once the reply is over.
+        self.ttft_s = stats.ttft_s
+        self.tokens_per_s = stats.tokens_per_s
+
+    # -- acceptance ------------------------------------------------------
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        return self.spec_tokens / self.spec_rounds if self.spec_rounds else None
+
+    def acceptance_by_position(self) -> list[float | None]:
+        """Index i: acceptance at draft position i + 1, given the earlier drafts were accepted."""
+        if not self._reached:
+            return []
+        top = max(self._reached)
+        return [
+            (self._passed[i] / self._reached[i]) if self._reached[i] else None
+            for i in range(1, top + 1)
+        ]
+
+    def accepted_length_histogram(self) -> list[int]:
+        """Index n: speculative rounds in which exactly n drafts were accepted."""
+        if not self._accepted_lengths:
+            return []
+        top = max(self._accepted_lengths)
+        return [self._accepted_lengths[n] for n in range(top + 1)]
+
+    # -- controller ------------------------------------------------------
+
+    @property
+    def current_mode(self) -> Mode | None:
+        r = self.last_round
+        if r is None:
+            return None
+        return r.next_mode or r.mode
+
+    @property
+    def current_k(self) -> int | None:
+        r = self.last_round
+        if r is None:
+            return None
+        return r.next_k if r.next_k is not None else r.k
+
+    @property
+    def last_fallback(self) -> tuple[int, str] | None:
+        return self.fallbacks[-1] if self.fallbacks else None
+
+    # -- latency ---------------------------------------------------------
+
+    @property
+    def p50_ms(self) -> float | None:
+        return percentile(self.token_latencies_ms, 50)
+
+    @property
+    def p95_ms(self) -> float | None:
+        return percentile(self.token_latencies_ms, 95)
+
+    def _spec_timings(self) -> list[RoundTiming]:
+        return [r for r in self.round_timings if r.k > 0]
+
+    @property
+    def mean_draft_ms(self) -> float | None:
+        spec = self._spec_timings()
+        return sum(r.draft_ms for r in spec) / len(spec) if spec else None
+
+    @property
+    def mean_verify_ms(self) -> float | None:
+        rounds = self.round_timings
+        return sum(r.verify_ms for r in rounds) / len(rounds) if rounds else None
+
+    @property
+    def draft_share(self) -> float | None:
+        """Fraction of decoding time spent in the draft (recent rounds)."""
+        draft = sum(r.draft_ms for r in self.round_timings)
+        total = draft + sum(r.verify_ms for r in self.round_timings)
+        return draft / total if total > 0 else None
+
+    @property
+    def cost_ratio(self) -> float | None:
+        """c: draft time per drafted token over target time per verify pass."""
+        spec = self._spec_timings()
+        drafted = sum(r.k for r in spec)
+        verify = sum(r.verify_ms for r in spec)
+        if not spec or drafted == 0 or verify <= 0:
+            return None
+        return (sum(r.draft_ms for r in spec) / drafted) / (verify / len(spec))
+
+    def expected_speedup(self, k: int | None = None) -> float | None:
+        """Speedup predicted at the measured alpha and c, for `k` (default: the current K)."""
+        alpha = self.acceptance_rate
+        c = self.cost_ratio
+        k = self.current_k if k is None else k
+        if alpha is None or c is None or not k:
+            return None
+        return expected_speedup(alpha, k, c)
+
+    # -- early exit ------------------------------------------------------
+
+    @property
+    def exit_rate(self) -> float | None:
+        """Early-exit tokens over the tokens decoded in early-exit mode."""
+        total = max(self.exit_mode_tokens, self.exit_tokens)
+        return self.exit_tokens / total if total else None
+
+    def exit_layer_histogram(self) -> dict[int, int]:
+        return dict(sorted(self.exit_layers.items()))
+
+    def mean_layers(self, total_layers: int) -> float | None:
+        """Average target layers run per token in early-exit mode (exits count their exit layer)."""
+        total = max(self.exit_mode_tokens, self.exit_tokens)
+        if not total:
+            return None
+        full = total - self.exit_tokens
+        exited_layers = self._exit_layer_sum + total_layers * (
+            self.exit_tokens - sum(self.exit_layers.values())
+        )
+        return (exited_layers + full * total_layers) / total
+
+    @property
+    def mean_exit_confidence(self) -> float | None:
+        n = self._exit_confidence_n
+        return self._exit_confidence_sum / n if n else None
+
+    # -- export ----------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        """The numbers as a JSON-ready dict (for `specchat bench`)."""
+        return {
+            "turns": self.turns,
+            "tokens": self.tokens,
+            "rounds": self.rounds,
+            "provenance": {p.value: n for p, n in self.provenance.items()},
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "acceptance_by_position": self.acceptance_by_position(),
+            "accepted_length_histogram": self.accepted_length_histogram(),
+            "p50_ms": self.p50_ms,
+            "p95_ms": self.p95_ms,
+            "ttft_s": self.ttft_s,
+            "tokens_per_s": self.tokens_per_s,
+            "mean_draft_ms": self.mean_draft_ms,
+            "mean_verify_ms": self.mean_verify_ms,
+            "draft_share": self.draft_share,
+            "cost_ratio": self.cost_ratio,
+            "expected_speedup": self.expected_speedup(),
+            "exit_rate": self.exit_rate,
+            "exit_layer_histogram": self.exit_layer_histogram(),
+            "fallbacks": [list(f) for f in self.fallbacks],
+        }
