@@ -289,7 +289,7 @@ class ChatSession:
                 return None, "self-speculative decoding is not available: plain decoding"
             layer = cfg.exit_layer or max(1, self.target.num_layers // 4)
             if self._self_drafter is None or self._self_drafter_layer != layer:
-                self._self_drafter = SelfSpecDrafter(self.target, layer)
+                self._self_drafter = SelfSpecDrafter(self.target, layer, runner=self.target_runner)
                 self._self_drafter_layer = layer
             return self._self_drafter, None
         return None, None
