@@ -1,0 +1,130 @@
+"""specchat's Textual themes and the provenance colours.
+
+Every colour of the app lives here. Widgets and TCSS name theme variables
+(`$token-accepted`, ...); the themes below set them, and
+`PROVENANCE_DEFAULTS` fills them in for Textual's built-in themes through
+`App.get_theme_variable_defaults()`.
+
+Colour is never the only carrier of provenance: the TCSS pairs each
+variable with a text style, so the transcript stays readable with NO_COLOR.
+"""
+
+from __future__ import annotations
+
+from textual.theme import Theme
+
+# Theme variable names, one per provenance (engine Provenance values).
+TOKEN_VARIABLES: dict[str, str] = {
+    "accepted": "token-accepted",
+    "corrected": "token-corrected",
+    "bonus": "token-bonus",
+    "early-exit": "token-early-exit",
+    "target": "token-target",
+}
+
+# Okabe & Ito (2008) colour-universal-design palette.
+OKABE_ITO = {
+    "black": "#000000",
+    "orange": "#E69F00",
+    "sky-blue": "#56B4E9",
+    "bluish-green": "#009E73",
+    "yellow": "#F0E442",
+    "blue": "#0072B2",
+    "vermillion": "#D55E00",
+    "reddish-purple": "#CC79A7",
+}
+
+# Mid-luminance colours that read on dark and light backgrounds alike:
+# the fallback for themes that do not set the token variables.
+PROVENANCE_DEFAULTS: dict[str, str] = {
+    "token-accepted": "#4FA3D9",
+    "token-corrected": "#E0603A",
+    "token-bonus": "#C99A1A",
+    "token-early-exit": "#B877C4",
+    "token-target": "#8C9AA6",
+}
+
+SPECCHAT_DARK = Theme(
+    name="specchat-dark",
+    primary="#5FA8D3",
+    secondary="#3D6B8C",
+    accent="#F2B134",
+    warning="#F2B134",
+    error="#E4572E",
+    success="#6CC46C",
+    foreground="#DDE3E8",
+    background="#14181C",
+    surface="#1C2228",
+    panel="#242C34",
+    dark=True,
+    variables={
+        "token-accepted": "#6CC3F0",
+        "token-corrected": "#FF7A59",
+        "token-bonus": "#F2C14E",
+        "token-early-exit": "#C792EA",
+        "token-target": "#B8C4CE",
+        "footer-key-foreground": "#5FA8D3",
+    },
+)
+
+SPECCHAT_LIGHT = Theme(
+    name="specchat-light",
+    primary="#1F5F8B",
+    secondary="#4B86B4",
+    accent="#B5651D",
+    warning="#B5651D",
+    error="#B3261E",
+    success="#2E7D32",
+    foreground="#1E252B",
+    background="#F7F7F4",
+    surface="#EDEDE8",
+    panel="#E1E3DE",
+    dark=False,
+    variables={
+        "token-accepted": "#1565A8",
+        "token-corrected": "#C0392B",
+        "token-bonus": "#8A6100",
+        "token-early-exit": "#7B3FA0",
+        "token-target": "#3A444C",
+        "footer-key-foreground": "#1F5F8B",
+    },
+)
+
+# Colour-blind safe: the provenance colours come from the Okabe-Ito palette,
+# leaving out orange, which deuteranopes confuse with vermillion (corrected).
+SPECCHAT_OKABE_ITO = Theme(
+    name="specchat-okabe-ito",
+    primary=OKABE_ITO["sky-blue"],
+    secondary=OKABE_ITO["blue"],
+    accent=OKABE_ITO["yellow"],
+    warning=OKABE_ITO["orange"],
+    error=OKABE_ITO["vermillion"],
+    success=OKABE_ITO["bluish-green"],
+    foreground="#F0F0F0",
+    background="#101010",
+    surface="#1A1A1A",
+    panel="#262626",
+    dark=True,
+    variables={
+        "token-accepted": OKABE_ITO["sky-blue"],
+        "token-corrected": OKABE_ITO["vermillion"],
+        "token-bonus": OKABE_ITO["yellow"],
+        "token-early-exit": OKABE_ITO["reddish-purple"],
+        "token-target": "#F0F0F0",
+        "footer-key-foreground": OKABE_ITO["sky-blue"],
+    },
+)
+
+THEMES: tuple[Theme, ...] = (SPECCHAT_DARK, SPECCHAT_LIGHT, SPECCHAT_OKABE_ITO)
+DEFAULT_THEME = SPECCHAT_DARK.name
+
+__all__ = [
+    "DEFAULT_THEME",
+    "OKABE_ITO",
+    "PROVENANCE_DEFAULTS",
+    "SPECCHAT_DARK",
+    "SPECCHAT_LIGHT",
+    "SPECCHAT_OKABE_ITO",
+    "THEMES",
+    "TOKEN_VARIABLES",
+]

@@ -1,0 +1,45 @@
+"""Acceptance: how many draft tokens the target keeps, by position, and the controller's choices."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.text import Text
+
+from .base import Panel, bar, histogram, key_values, pct
+
+
+class AcceptancePanel(Panel):
+    TITLE = "Acceptance"
+    KEY = "acceptance"
+
+    def render(self) -> Group:
+        m = self.state.metrics
+        rate = m.acceptance_rate
+        mean_len = m.mean_accepted_length
+        rows: list[tuple[str, str | Text]] = [
+            ("rate", f"{pct(rate, 1)}  ({m.accepted}/{m.drafted} drafts)" if rate is not None else "n/a (no drafts yet)"),
+            ("mean length", "n/a" if mean_len is None else f"{mean_len:.2f} tokens / round"),
+        ]
+        last = m.last_round
+        if last is None:
+            rows.append(("controller", "n/a"))
+        else:
+            mode = m.current_mode.value if m.current_mode else last.mode.value
+            k = m.current_k
+            rows.append(("controller", f"{mode} · K {k if k else '—'}"))
+        fb = m.last_fallback
+        rows.append(("fallback", "none" if fb is None else f"round {fb[0]}: {fb[1]}"))
+        parts: list[object] = [key_values(rows)]
+        by_pos = m.acceptance_by_position()
+        if by_pos:
+            parts.append(Text("by draft position", style="bold"))
+            lines = Text()
+            for i, rate_i in enumerate(by_pos, 1):
+                lines.append(f"{i:>3} {bar(rate_i)} {pct(rate_i):>5}\n")
+            lines.rstrip()
+            parts.append(lines)
+        hist = m.accepted_length_histogram()
+        if hist:
+            parts.append(Text("accepted per round", style="bold"))
+            parts.append(histogram([(str(n), c) for n, c in enumerate(hist)]))
+        return Group(*parts)  # type: ignore[arg-type]

@@ -1,0 +1,79 @@
+"""Latency: per-token sparkline, percentiles, time to first token, and the speculative cost model."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.widget import Widget
+from textual.widgets import Sparkline
+
+from ..state import ChatState
+from .base import Panel, bar, key_values, ms, pct
+
+SPARK_POINTS = 64
+
+
+class _LatencyText(Widget):
+    DEFAULT_CSS = "_LatencyText { height: auto; }"
+
+    def __init__(self, state: ChatState, part: str) -> None:
+        super().__init__()
+        self.state = state
+        self.part = part
+
+    def render(self) -> Group | Text:
+        m = self.state.metrics
+        if self.part == "head":
+            return key_values(
+                [
+                    ("p50 / p95", f"{ms(m.p50_ms)} / {ms(m.p95_ms)} per token"),
+                    ("first token", "n/a" if m.ttft_s is None else ms(m.ttft_s * 1000)),
+                    ("tokens/s", "n/a" if m.tokens_per_s is None else f"{m.tokens_per_s:.1f}"),
+                ]
+            )
+        share = m.draft_share
+        rows: list[tuple[str, str | Text]] = [
+            ("draft / round", ms(m.mean_draft_ms)),
+            ("verify / round", ms(m.mean_verify_ms)),
+            ("draft share", f"{bar(share, 10)} {pct(share)}" if share is not None else "n/a"),
+        ]
+        last = m.round_timings[-1] if m.round_timings else None
+        if last is not None:
+            rows.append(("last round", f"draft {ms(last.draft_ms)} · verify {ms(last.verify_ms)}"))
+        c = m.cost_ratio
+        alpha = m.acceptance_rate
+        k = m.current_k
+        rows.append(("cost ratio c", "n/a" if c is None else f"{c:.3f}"))
+        speedup = m.expected_speedup()
+        if speedup is None:
+            rows.append(("expected", "n/a (needs speculative rounds)"))
+        else:
+            rows.append(("expected", f"{speedup:.2f}× at α {alpha:.2f}, K {k}, c {c:.2f}"))
+        return Group(
+            key_values(rows),
+            Text("speedup = (1−α^(K+1)) / ((1−α)(K·c+1))", style="italic"),
+        )
+
+
+class LatencyPanel(Panel):
+    TITLE = "Latency"
+    KEY = "latency"
+
+    DEFAULT_CSS = """
+    LatencyPanel { height: auto; layout: vertical; }
+    LatencyPanel > Sparkline { height: 2; margin: 0 0 1 0; }
+    """
+
+    def compose(self) -> ComposeResult:
+        yield _LatencyText(self.state, "head")
+        yield Sparkline([], id="latency-spark")
+        yield _LatencyText(self.state, "rounds")
+
+    def refresh_from(self, state: ChatState) -> None:
+        self.state = state
+        data = list(state.metrics.token_latencies_ms)[-SPARK_POINTS:]
+        self.query_one(Sparkline).data = data
+        for part in self.query(_LatencyText):
+            part.state = state
+            part.refresh(layout=True)

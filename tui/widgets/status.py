@@ -1,0 +1,79 @@
+"""The top line: which models, how replies are decoded, and what the engine is doing."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from specchat.engine.config import DecodeConfig
+from specchat.engine.events import LoadProgress
+from textual.containers import Vertical
+from textual.reactive import reactive
+from textual.widget import Widget
+from textual.widgets import ProgressBar, Static
+
+
+def describe_decode(cfg: DecodeConfig) -> str:
+    k = "auto" if cfg.k is None else str(cfg.k)
+    temp = "greedy" if cfg.greedy else f"T {cfg.temperature:g}"
+    parts = [f"mode {cfg.mode.value}", f"K {k}", temp, f"top-p {cfg.top_p:g}"]
+    parts.append(f"exit budget {cfg.exit_budget:g}")
+    return " · ".join(parts)
+
+
+class StatusLine(Widget):
+    """specchat · models · decode settings · state."""
+
+    DEFAULT_CSS = "StatusLine { height: 1; }"
+
+    models: reactive[str] = reactive("no model yet")
+    state: reactive[str] = reactive("starting")
+    decode: reactive[str] = reactive("")
+
+    def render(self) -> Text:
+        out = Text(" specchat ", style="bold reverse", end="")
+        out.append(f" {self.models} ")
+        out.append("│", style="dim")
+        out.append(f" {self.decode} ")
+        out.append("│", style="dim")
+        out.append(f" {self.state}", style="bold")
+        return out
+
+
+def _amount(value: int, unit: str) -> str:
+    if unit == "B":
+        for suffix, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+            if value >= scale:
+                return f"{value / scale:.1f} {suffix}"
+        return f"{value} B"
+    return str(value)
+
+
+def describe_progress(p: LoadProgress) -> str:
+    text = p.stage
+    if p.detail:
+        text += f" {p.detail}"
+    if p.total:
+        text += f": {_amount(p.done, p.unit)} / {_amount(p.total, p.unit)}"
+    elif p.done:
+        text += f": {_amount(p.done, p.unit)}"
+    return text
+
+
+class LoadView(Vertical):
+    """Model fetch and load progress, one stage at a time."""
+
+    DEFAULT_CSS = """
+    LoadView { height: auto; }
+    LoadView > Static { height: auto; }
+    """
+
+    def compose(self):  # type: ignore[no-untyped-def]
+        yield Static("Loading the models…", id="load-label", markup=False)
+        yield ProgressBar(total=None, show_eta=False, id="load-bar")
+
+    def update_progress(self, p: LoadProgress) -> None:
+        self.query_one("#load-label", Static).update(describe_progress(p))
+        bar = self.query_one(ProgressBar)
+        if p.total:
+            bar.update(total=p.total, progress=min(p.done, p.total))
+        else:
+            bar.update(total=None)
