@@ -1,0 +1,371 @@
+"""Pilot tests: the chat driven like a user would, on replayed traces."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from rich.console import Console
+from specchat.engine.config import Mode
+from specchat.engine.errors import EngineError
+from specchat.engine.events import Provenance, TokenEvent, TurnFinished
+from specchat.engine.replay import ReplaySession
+from specchat.tui.messages import RoundCompleted
+from specchat.tui.panels import AcceptancePanel, DevicesPanel, EarlyExitPanel, LatencyPanel
+from specchat.tui.widgets.inspector import Inspector
+from specchat.tui.widgets.prompt import PromptInput
+from specchat.tui.widgets.reply import ReplyView, TokenBody
+from specchat.tui.widgets.transcript import Note, Transcript
+from textual.color import Color
+from tui_helpers import (
+    FIXED_SAMPLE,
+    SIZE,
+    TRACE,
+    ExplodingSession,
+    GatedSession,
+    make_app,
+    ready,
+    send,
+    wait_until,
+)
+
+
+def plain(renderable: Any, width: int = 56) -> str:
+    out = io.StringIO()
+    Console(file=out, width=width, color_system=None).print(renderable)
+    return out.getvalue()
+
+
+def recorded_turn(turn: int, mode: Mode) -> list[Any]:
+    """The events of one recorded turn of TRACE."""
+    out: list[Any] = []
+    inside = False
+    for ev in TRACE:
+        name = type(ev).__name__
+        if name == "TurnStarted":
+            inside = ev.turn == turn and ev.mode is mode
+        if inside:
+            out.append(ev)
+    return out
+
+
+def replies(app: Any) -> list[ReplyView]:
+    return list(app.query(ReplyView))
+
+
+async def test_streams_one_message_per_round_and_styles_by_provenance() -> None:
+    messages: list[Any] = []
+    app = make_app()
+    async with app.run_test(size=SIZE, message_hook=messages.append) as pilot:
+        await ready(pilot)
+        await send(pilot, "What is speculative decoding?")
+        (reply,) = replies(app)
+        expected = [e for e in recorded_turn(1, Mode.SPEC) if isinstance(e, TokenEvent)]
+        assert [t.token_id for t in reply.tokens] == [t.token_id for t in expected]
+        assert isinstance(reply.outcome, TurnFinished)
+        rounds = [m for m in messages if isinstance(m, RoundCompleted)]
+        assert len(rounds) == reply.outcome.stats.rounds
+        for m in rounds:  # one message per round, carrying that round's tokens only
+            assert m.round is not None and {t.round for t in m.tokens} == {m.round.round}
+        # Markdown by default once finished; ctrl+t shows the tokens
+        assert not reply.showing_tokens
+        await pilot.press("ctrl+t")
+        assert reply.showing_tokens
+        body = reply.query_one(TokenBody)
+        text = body.render()
+        assert text.plain == reply.text
+        spans = [s for s in text.spans if s.style.meta.get("token") is not None]
+        by_index = {s.style.meta["token"]: s.style for s in spans}
+        expect_style = {
+            Provenance.ACCEPTED: ("underline",),
+            Provenance.CORRECTED: ("bold", "underline"),
+            Provenance.BONUS: ("bold",),
+        }
+        seen = set()
+        for i, tok in enumerate(reply.tokens):
+            if not tok.text:
+                continue  # an incomplete multi-byte piece draws nothing
+            style = by_index[i]
+            var = app.theme_variables[f"token-{tok.provenance.value}"]
+            assert style.color is not None
+            assert style.color.triplet == Color.parse(var).rgb
+            for attr in expect_style.get(tok.provenance, ()):
+                assert getattr(style, attr), (tok.provenance, attr)
+            if tok.provenance is Provenance.ACCEPTED:
+                assert not style.bold
+            seen.add(tok.provenance)
+        assert seen == {Provenance.ACCEPTED, Provenance.CORRECTED, Provenance.BONUS}
+
+
+async def test_tokens_appear_while_streaming_and_cancel_keeps_the_session() -> None:
+    gated = GatedSession(ReplaySession(TRACE))
+    app = make_app(gated)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press(*"first", "enter")
+        await wait_until(pilot, lambda: gated.rounds_out >= 1 and bool(replies(app)) and bool(replies(app)[0].tokens))
+        reply = replies(app)[0]
+        n1 = len(reply.tokens)
+        assert not reply.finished and reply.showing_tokens
+        assert "generating" in app.query_one("StatusLine").state
+        gated.release()
+        await wait_until(pilot, lambda: len(reply.tokens) > n1)
+        # esc stops the reply; what came stays
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: reply.finished)
+        assert type(reply.outcome).__name__ == "Cancelled"
+        assert reply.tokens and reply.has_class("-cancelled")
+        assert app._busy is None
+        # the session still answers; the cancelled prompt is in the history
+        gated.release(1000)
+        await send(pilot, "second")
+        assert isinstance(replies(app)[-1].outcome, TurnFinished)
+        assert app.query_one(PromptInput).history == ["first", "second"]
+
+
+async def test_inspector_shows_where_a_token_came_from() -> None:
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "q")
+        reply = replies(app)[0]
+        inspector = app.query_one(Inspector)
+        assert not inspector.display
+        await pilot.press("f6")
+        await pilot.pause()
+        transcript = app.query_one(Transcript)
+        assert transcript.has_focus and inspector.display
+        assert inspector.index == len(reply.tokens) - 1
+        await pilot.press("home")
+        assert inspector.token == reply.tokens[0] and reply.showing_tokens
+        await pilot.press("right", "right")
+        assert inspector.index == 2
+        await pilot.press("down")  # to the next round
+        assert reply.tokens[inspector.index].round == reply.tokens[2].round + 1
+        # a corrected token names the refused draft
+        i = next(i for i, t in enumerate(reply.tokens) if t.provenance is Provenance.CORRECTED)
+        transcript.select(reply, i)
+        await pilot.pause()
+        text = plain(inspector.render())
+        tok = reply.tokens[i]
+        assert "CORRECTED" in text and "refused" in text
+        assert f"id {tok.rejected_id}" in text
+        assert f"{tok.p_target:.4f}" in text and f"{tok.p_draft:.4f}" in text
+        assert f"K {reply.rounds[tok.round].k}" in text
+        # esc goes back to the prompt and hides the inspector
+        await pilot.press("escape")
+        await pilot.pause()
+        assert app.query_one(PromptInput).has_focus and not inspector.display
+        assert reply.cursor is None
+
+
+async def test_inspector_early_exit_token_and_mouse_click() -> None:
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("f7", "f7")  # spec -> self-spec -> early-exit
+        assert app.state.decode.mode is Mode.EARLY_EXIT
+        await send(pilot, "q")
+        reply = replies(app)[0]
+        assert reply.started is not None and reply.started.mode is Mode.EARLY_EXIT
+        await pilot.press("ctrl+t")
+        await pilot.pause()
+        # click the first character of the reply: token 0
+        body = reply.query_one(TokenBody)
+        await pilot.click(body, offset=(0, 0))
+        await pilot.pause()
+        assert app.query_one(Transcript).has_focus
+        assert reply.cursor == 0
+        # click further along the first line
+        col = 12
+        upto = 0
+        idx = 0
+        for idx, t in enumerate(reply.tokens):  # noqa: B007 - idx is the token under the column
+            upto += len(t.text)
+            if upto > col:
+                break
+        await pilot.click(body, offset=(col, 0))
+        await pilot.pause()
+        assert reply.cursor == idx
+        i = next(i for i, t in enumerate(reply.tokens) if t.provenance is Provenance.EARLY_EXIT)
+        app.query_one(Transcript).select(reply, i)
+        await pilot.pause()
+        text = plain(app.query_one(Inspector).render())
+        tok = reply.tokens[i]
+        assert "EARLY EXIT" in text and f"exit layer {tok.exit_layer}" in " ".join(text.split())
+        assert f"{tok.confidence:.4f}" in text
+
+
+async def test_mode_k_temperature_switches_reach_the_next_stream() -> None:
+    session = ReplaySession(TRACE)
+    app = make_app(session)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("f7")  # self-spec
+        await pilot.press("f8", "f8")  # K auto -> 1 -> 2
+        await pilot.press("f9")  # temperature 0 -> 0.3
+        await pilot.press("shift+f9")  # top-p 1 -> 0.95
+        await pilot.press("shift+f5")  # budget 0.95 -> 0.9
+        await send(pilot, "q")
+        kind, prompt, cfg = session.calls[-1]
+        assert (kind, prompt) == ("stream", "q")
+        assert cfg.mode is Mode.SELF_SPEC and cfg.k == 2
+        assert cfg.temperature == 0.3 and cfg.top_p == 0.95 and cfg.exit_budget == 0.9
+        assert cfg.seed is not None  # sampling turns get a seed A/B can reuse
+        # ctrl+g rolls back to plain, and again restores the mode before
+        await pilot.press("ctrl+g")
+        assert app.state.decode.mode is Mode.PLAIN
+        await send(pilot, "r")
+        assert session.calls[-1][2].mode is Mode.PLAIN
+        assert all(t.provenance is Provenance.TARGET for t in replies(app)[-1].tokens)
+        await pilot.press("ctrl+g")
+        assert app.state.decode.mode is Mode.SELF_SPEC
+        assert "mode self-spec" in app.query_one("StatusLine").decode
+
+
+async def test_panels_show_the_measured_values() -> None:
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "q")
+        stats = replies(app)[0].outcome.stats
+        acc = plain(app.query_one(AcceptancePanel).render())
+        assert f"{stats.acceptance_rate * 100:.1f}%" in acc
+        assert f"({stats.accepted}/{stats.drafted} drafts)" in acc
+        assert f"{stats.mean_accepted_length:.2f} tokens / round" in acc
+        fb = app.state.metrics.last_fallback
+        assert fb is not None and f"round {fb[0]}" in acc
+        latency = app.query_one(LatencyPanel)
+        head = " ".join(plain(w.render()) for w in latency.query("_LatencyText"))
+        assert f"{stats.ttft_s * 1000:.1f} ms" in head or f"{stats.ttft_s * 1000:.0f} ms" in head
+        assert f"{stats.tokens_per_s:.1f}" in head
+        assert "expected" in head and "×" in head
+        assert latency.query_one("Sparkline").data
+        # devices and early exit: off by default, toggled with f4 / f5
+        devices = app.query_one(DevicesPanel)
+        assert not devices.display
+        await pilot.press("f4", "f5")
+        app.post_message(__import__("specchat.tui.messages", fromlist=["SystemSampled"]).SystemSampled(FIXED_SAMPLE))
+        await pilot.pause()
+        dev = plain(devices.render())
+        assert "cpu0" in dev and "37.5%" in dev and "GPU" in dev and "n/a" in dev
+        assert "512.0 MiB" in dev
+        assert "draft" in dev and "target" in dev
+        await pilot.press("f7", "f7")
+        await send(pilot, "ee")
+        ee_stats = replies(app)[-1].outcome.stats
+        ee = plain(app.query_one(EarlyExitPanel).render())
+        assert f"({ee_stats.early_exits} tokens)" in ee
+        assert "95% top-1 agreement" in ee
+        assert "L4" in ee
+
+
+async def test_ab_compares_with_plain_decoding() -> None:
+    session = ReplaySession(TRACE)
+    app = make_app(session)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("f7", "f7")  # early exit: lossy, so the plain reply differs
+        await send(pilot, "q")
+        await pilot.press("ctrl+r")
+        await wait_until(pilot, lambda: len(replies(app)) == 2 and replies(app)[1].finished)
+        await pilot.pause()
+        kind, _, cfg = session.calls[-1]
+        assert kind == "regenerate" and cfg.mode is Mode.PLAIN
+        a, b = replies(app)
+        assert b.ab_of is a and a.label.startswith("A")
+        result = app.state.ab
+        assert result is not None and not result.identical
+        at = result.diverge_at
+        assert [t.token_id for t in a.tokens[:at]] == [t.token_id for t in b.tokens[:at]]
+        assert a.tokens[at].token_id != b.tokens[at].token_id
+        notes = [n.message for n in app.query(Note)]
+        assert any(f"first divergence at token {at + 1}" in n for n in notes)
+        ee = plain(app.query_one(EarlyExitPanel).render())
+        assert "realised" in ee
+
+
+async def test_new_conversation_clears_and_resets_the_session() -> None:
+    session = ReplaySession(TRACE)
+    app = make_app(session)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "one")
+        await send(pilot, "two")
+        first_text = replies(app)[0].text
+        assert len(session.messages) == 4
+        await pilot.press("ctrl+n")
+        await pilot.pause()
+        assert replies(app) == []
+        assert app.state.metrics.tokens == 0
+        await send(pilot, "again")
+        assert session.messages[0] == ("user", "again") and len(session.messages) == 2
+        assert replies(app)[0].text == first_text  # the replay starts over too
+
+
+async def test_history_and_failed_turns_keep_the_prompt() -> None:
+    app = make_app(ExplodingSession())
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "boom")
+        reply = replies(app)[0]
+        assert type(reply.outcome).__name__ == "Failed"
+        assert "Unexpected error: RuntimeError: tensor on fire" in reply.outcome.message
+        assert reply.tokens  # what came before the error stays on screen
+        prompt = app.query_one(PromptInput)
+        assert prompt.value == "boom"  # restored for another try
+        prompt.value = ""
+        await send(pilot, "second")
+        await pilot.press("up")
+        assert prompt.value == "second"
+        await pilot.press("up")
+        assert prompt.value == "boom"
+        await pilot.press("up")
+        assert prompt.value == "boom"
+        await pilot.press("down", "down")
+        assert prompt.value in ("", "second")  # back to the (restored) draft
+
+
+async def test_load_failure_is_a_message_not_a_traceback() -> None:
+    def loader(progress: Any) -> Any:
+        raise EngineError("No model named 'nope'.", "Run `specchat models` to list the presets.")
+
+    from specchat.tui.app import SpecChatApp
+
+    app = SpecChatApp(loader, sample_system=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        notes = list(app.query(Note))
+        assert any(n.level == "error" and "nope" in n.message and "specchat models" in n.hint for n in notes)
+        await pilot.press(*"hello", "enter")
+        await pilot.pause()
+        assert app.query_one(PromptInput).value == "hello"  # not cleared
+        assert app.query_one("StatusLine").state == "no model"
+
+    def broken(progress: Any) -> Any:
+        raise ZeroDivisionError("oops")
+
+    app = SpecChatApp(broken, sample_system=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert any("Loading failed unexpectedly: ZeroDivisionError" in n.message for n in app.query(Note))
+
+
+async def test_palette_has_every_action() -> None:
+    from specchat.tui import actions
+
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        titles = [c.title for c in app.get_system_commands(app.screen)]
+        for a in (*actions.ACTIONS, *actions.PALETTE_ONLY):
+            assert any(t.startswith(a.title) for t in titles), a.title
+        shown = {b.key for b in app.BINDINGS if getattr(b, "show", False)}
+        assert {"escape", "ctrl+n", "ctrl+r", "f2", "f6", "f7", "ctrl+g"} <= shown
+        # run one through the palette
+        await pilot.press("ctrl+p")
+        await pilot.pause()
+        await pilot.press(*"Mode: plain")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: app.state.decode.mode is Mode.PLAIN)
