@@ -42,7 +42,9 @@ from .loading import LoadedModel
 from .runner import ModelRunner
 
 FORMAT = 1
-GATE_KEEP = 0.95  # the saturation pre-check keeps this share of a layer's calibrated exits
+# Pre-check candidates: these quantiles of the saturation of a layer's calibrated exits.
+GATE_QUANTILES = (0.02, 0.05, 0.1, 0.2, 0.35, 0.5)
+MAX_ROUNDS = 8
 OFF = math.inf  # "never exit here"
 
 Chat = Sequence[Mapping[str, str]]
@@ -188,17 +190,14 @@ class Calibration:
             for r in (self.records[layer] for layer in self.layers)
         )
 
-    def gates(
-        self, thresholds: Sequence[float], measure: Measure | None = None
-    ) -> tuple[float, ...]:
-        """The saturation pre-check per layer: keeps GATE_KEEP of the layer's calibrated exits."""
-        m = measure or self.measure
-        out = []
-        for layer, t in zip(self.layers, thresholds, strict=True):
-            r = self.records[layer]
-            chosen = r.saturation[r.measure(m) >= t] if t < 1.0 else r.saturation[:0]
-            out.append(float(np.quantile(chosen, 1.0 - GATE_KEEP)) if chosen.size else 1.0)
-        return tuple(out)
+    def gate_options(self, layer: int, threshold: float, measure: Measure) -> list[float]:
+        """Candidate saturation pre-checks at one layer: none, or quantiles of its exits."""
+        r = self.records[layer]
+        chosen = r.saturation[r.measure(measure) >= threshold]
+        options = [-math.inf]
+        if chosen.size:
+            options += sorted({float(np.quantile(chosen, q)) for q in GATE_QUANTILES})
+        return options
 
     def simulate(self, policy: ExitPolicy) -> Simulation:
         n, big_l = self.positions, self.num_layers
@@ -235,30 +234,47 @@ class Calibration:
         )
 
     def policy(self, budget: float, measure: Measure | None = None) -> ExitPolicy:
-        """Thresholds for the budget, then exit layers that do not pay for themselves dropped.
+        """Thresholds for the budget, then the pre-checks and exit layers that pay for themselves.
 
-        A layer is kept only if the simulated cost per token (layers run, LM
-        heads at exit points, K/V fills) is lower with it than without it.
+        Coordinate descent on the simulated cost per token (layers run, LM
+        heads at exit points, K/V fills): each exit layer in turn takes the
+        pre-check (none, or a low quantile of its exits' saturation) or is
+        switched off, whichever is cheapest, until nothing improves. Switching
+        a layer off or tightening its pre-check only removes exits.
         """
         m = measure or self.measure
         thresholds = list(self.thresholds(budget, m))
-        gates = self.gates(thresholds, m) if m is not Measure.SATURATION else None
+        gates = [-math.inf] * len(thresholds)
+        uses_head = m is not Measure.SATURATION
 
-        def make(ts: Sequence[float]) -> ExitPolicy:
-            return ExitPolicy(self.layers, tuple(ts), m, gates, "calibrated")
+        def cost(ts: Sequence[float], gs: Sequence[float]) -> float:
+            return self.simulate(ExitPolicy(self.layers, tuple(ts), m, tuple(gs))).cost
 
-        current = self.simulate(make(thresholds)).cost
-        while True:
-            trials = []
-            for i, t in enumerate(thresholds):
-                if t < 1.0:
-                    ts = thresholds[:i] + [OFF] + thresholds[i + 1 :]
-                    trials.append((self.simulate(make(ts)).cost, i))
-            if not trials or min(trials)[0] >= current:
+        best = cost(thresholds, gates)
+        for _ in range(MAX_ROUNDS):
+            improved = False
+            for i, (layer, t) in enumerate(zip(self.layers, thresholds, strict=True)):
+                if t >= 1.0:
+                    continue
+                trials = [
+                    (cost(thresholds[:i] + [OFF] + thresholds[i + 1 :], gates), OFF, gates[i])
+                ]
+                for g in self.gate_options(layer, t, m) if uses_head else [-math.inf]:
+                    trials.append((cost(thresholds, gates[:i] + [g] + gates[i + 1 :]), t, g))
+                c, t_new, g_new = min(trials, key=lambda x: x[0])
+                if c < best - 1e-12:
+                    best, thresholds[i], gates[i], improved = c, t_new, g_new, True
+            if not improved:
                 break
-            current, i = min(trials)
-            thresholds[i] = OFF
-        return make(thresholds)
+        return ExitPolicy(
+            self.layers,
+            tuple(thresholds),
+            m,
+            tuple(g if t < 1.0 else 1.0 for g, t in zip(gates, thresholds, strict=True))
+            if uses_head
+            else None,
+            "calibrated",
+        )
 
     def summary(self, budget: float | None = None) -> CalibrationSummary:
         b = self.budget if budget is None else budget
