@@ -192,7 +192,10 @@ class SpecChatApp(App[None]):
         for view in self.query(LoadView):
             view.remove()
         status = self.query_one(StatusLine)
-        status.models = ready.summary
+        names = ready.target.name + (f" + draft {ready.draft.name}" if ready.draft else "")
+        if self.models_label.startswith("replay"):
+            names += f" ({self.models_label})"
+        status.models = names
         status.state = "ready"
         text = f"Ready: {ready.summary}"
         if ready.load_seconds:

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import threading
 from typing import Any
 
 from rich.console import Console
 from specchat.engine.config import Mode
 from specchat.engine.errors import EngineError
-from specchat.engine.events import Provenance, TokenEvent, TurnFinished
+from specchat.engine.events import LoadProgress, Provenance, TokenEvent, TurnFinished
 from specchat.engine.replay import ReplaySession
-from specchat.tui.messages import RoundCompleted
+from specchat.tui.messages import RoundCompleted, SystemSampled
 from specchat.tui.panels import AcceptancePanel, DevicesPanel, EarlyExitPanel, LatencyPanel
 from specchat.tui.widgets.inspector import Inspector
 from specchat.tui.widgets.prompt import PromptInput
 from specchat.tui.widgets.reply import ReplyView, TokenBody
+from specchat.tui.widgets.status import LoadView, StatusLine
 from specchat.tui.widgets.transcript import Note, Transcript
 from textual.color import Color
+from textual.widgets import ProgressBar
 from tui_helpers import (
     FIXED_SAMPLE,
     SIZE,
@@ -245,12 +249,18 @@ async def test_panels_show_the_measured_values() -> None:
         devices = app.query_one(DevicesPanel)
         assert not devices.display
         await pilot.press("f4", "f5")
-        app.post_message(__import__("specchat.tui.messages", fromlist=["SystemSampled"]).SystemSampled(FIXED_SAMPLE))
+        app.post_message(SystemSampled(FIXED_SAMPLE))
         await pilot.pause()
         dev = plain(devices.render())
         assert "cpu0" in dev and "37.5%" in dev and "GPU" in dev and "n/a" in dev
         assert "512.0 MiB" in dev
         assert "draft" in dev and "target" in dev
+        gpu = dataclasses.replace(FIXED_SAMPLE, gpu_util_percent=42.0, gpu_mem_used_bytes=3 * 2**30,
+                                  gpu_mem_total_bytes=80 * 2**30, gpu_name="Fake H100")
+        app.post_message(SystemSampled(gpu))
+        await pilot.pause()
+        dev = plain(devices.render(), width=80)
+        assert "Fake H100 · util 42% · 3.0 GiB / 80.0 GiB" in dev
         await pilot.press("f7", "f7")
         await send(pilot, "ee")
         ee_stats = replies(app)[-1].outcome.stats
@@ -349,6 +359,33 @@ async def test_load_failure_is_a_message_not_a_traceback() -> None:
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         assert any("Loading failed unexpectedly: ZeroDivisionError" in n.message for n in app.query(Note))
+
+
+async def test_load_progress_paints_before_the_model_is_ready() -> None:
+    go = threading.Event()
+
+    def loader(progress: Any) -> Any:
+        progress(LoadProgress("fetch", 50, 100, "B", "target"))
+        go.wait(10)
+        return ReplaySession(TRACE)
+
+    from specchat.tui.app import SpecChatApp
+
+    app = SpecChatApp(loader, sample_system=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: "fetch" in app.query_one(StatusLine).state)
+        assert "50 B / 100 B" in app.query_one(StatusLine).state
+        bar = app.query_one(LoadView).query_one(ProgressBar)
+        assert (bar.progress, bar.total) == (50, 100)
+        await pilot.press(*"early", "enter")  # too soon: the prompt stays
+        await pilot.pause()
+        assert app.query_one(PromptInput).value == "early"
+        go.set()
+        await ready(pilot)
+        assert not app.query(LoadView)
+        assert app.query_one(StatusLine).state == "ready"
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: bool(replies(app)) and replies(app)[0].finished)
 
 
 async def test_palette_has_every_action() -> None:

@@ -83,3 +83,71 @@ def test_sampler_runs_at_an_interval_and_stops() -> None:
     assert all(g > 0.02 for g in gaps)  # paced, not a busy loop
     with pytest.raises(ValueError):
         probes.Sampler(callback, interval=0)
+
+
+class _FakeNvml:
+    """Just enough of pynvml for one GPU."""
+
+    class _Util:
+        gpu = 42
+
+    class _Mem:
+        used = 3 * 2**30
+        total = 80 * 2**30
+
+    @staticmethod
+    def nvmlInit() -> None:
+        pass
+
+    @staticmethod
+    def nvmlDeviceGetCount() -> int:
+        return 1
+
+    @staticmethod
+    def nvmlDeviceGetHandleByIndex(i: int) -> object:
+        return object()
+
+    @staticmethod
+    def nvmlDeviceGetName(handle: object) -> bytes:
+        return b"Fake H100"
+
+    @classmethod
+    def nvmlDeviceGetUtilizationRates(cls, handle: object) -> object:
+        return cls._Util()
+
+    @classmethod
+    def nvmlDeviceGetMemoryInfo(cls, handle: object) -> object:
+        return cls._Mem()
+
+
+def test_gpu_through_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", _FakeNvml())
+    monkeypatch.setattr(probes, "_NVML", probes._Nvml())
+    s = probes.SystemProbe().sample()
+    assert (s.gpu_util_percent, s.gpu_mem_used_bytes, s.gpu_mem_total_bytes) == (42.0, 3 * 2**30, 80 * 2**30)
+    assert s.gpu_name == "Fake H100"
+
+
+def test_gpu_through_an_already_imported_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Cuda:
+        @staticmethod
+        def is_available() -> bool:
+            return True
+
+        @staticmethod
+        def mem_get_info() -> tuple[int, int]:
+            return (6 * 2**30, 8 * 2**30)
+
+        @staticmethod
+        def get_device_name() -> str:
+            return "Fake GPU"
+
+    class FakeTorch:
+        cuda = Cuda()
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    monkeypatch.setattr(probes, "_NVML", probes._Nvml())
+    monkeypatch.setitem(sys.modules, "torch", FakeTorch())
+    s = probes.SystemProbe().sample()
+    assert s.gpu_util_percent is None  # torch.cuda does not report utilisation
+    assert (s.gpu_mem_used_bytes, s.gpu_mem_total_bytes, s.gpu_name) == (2 * 2**30, 8 * 2**30, "Fake GPU")

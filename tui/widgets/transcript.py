@@ -167,7 +167,7 @@ class Transcript(VerticalScroll, can_focus=True):
         current = self.selected
         pos = replies.index(current) + step if current in replies else len(replies) - 1
         pos = max(0, min(pos, len(replies) - 1))
-        self.select(replies[pos], 0 if step > 0 else len(replies[pos].tokens) - 1)
+        self.select(replies[pos], 0)
 
     def action_toggle_reply_view(self) -> None:
         reply = self.selected
