@@ -115,6 +115,10 @@ def load_model(
         kwargs.update(quant.load_kwargs(spec.quant, device))
 
     report(LoadProgress("load", 0, 1, detail=f"{role}: {resolved.name}"))
+    # transformers' own progress bars would write over a terminal UI.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     t0 = time.perf_counter()
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolved.pretrained, gguf_file=resolved.gguf_file)
@@ -126,7 +130,7 @@ def load_model(
             f"out of memory while loading the {label}",
             hint="try a quantized mode or a smaller model",
         ) from exc
-    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+    except Exception as exc:  # safetensors, GGUF and tokenizer readers raise their own types
         raise ModelLoadError(
             f"cannot load the {label}: {_first_line(exc)}",
             hint="the files may be missing or corrupt; `specchat models verify` checks presets",

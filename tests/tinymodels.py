@@ -5,9 +5,10 @@ from __future__ import annotations
 import functools
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
 from specchat.engine.config import QuantMode
 from specchat.engine.loading import LoadedModel, describe
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 CORPUS = [
     "Once upon a time there was a little robot who loved to read.",

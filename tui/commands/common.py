@@ -116,3 +116,13 @@ def model_specs(args: argparse.Namespace) -> tuple[ModelSpec, ModelSpec | None]:
         else None
     )
     return target, draft
+
+
+def fail(message: str, hint: str = "") -> int:
+    """Print an error for the user (no traceback) and return the exit status."""
+    import sys
+
+    print(f"specchat: error: {message}", file=sys.stderr)
+    if hint:
+        print(f"hint: {hint}", file=sys.stderr)
+    return 2

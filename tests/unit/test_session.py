@@ -1,0 +1,198 @@
+"""ChatSession: multi-turn cache reuse, streaming text, stops, cancellation, failures."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from specchat.engine.config import DecodeConfig, Mode
+from specchat.engine.events import (
+    Cancelled,
+    Failed,
+    Notice,
+    RoundEvent,
+    TokenEvent,
+    TurnFinished,
+    TurnStarted,
+)
+from specchat.engine.loading import layer_truncated
+from specchat.engine.session import ChatSession
+from specchat.engine.text import IncrementalDecoder, held_back
+from tests.tinymodels import loaded, tiny_llama, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def target() -> torch.nn.Module:
+    return tiny_llama(seed=0, layers=4, max_positions=256)
+
+
+def make(target: torch.nn.Module, **kw: object) -> ChatSession:
+    return ChatSession(loaded(target), loaded(layer_truncated(target, 2), "draft"), **kw)  # type: ignore[arg-type]
+
+
+def tokens_of(events: list[object]) -> list[int]:
+    return [e.token_id for e in events if isinstance(e, TokenEvent)]
+
+
+def finished(events: list[object]) -> TurnFinished:
+    (last,) = [e for e in events if isinstance(e, TurnFinished)]
+    return last
+
+
+def test_event_order_of_a_turn(target: torch.nn.Module) -> None:
+    events = list(make(target).stream("hello", DecodeConfig(max_new_tokens=12, k=3)))
+    assert isinstance(events[0], TurnStarted)
+    assert isinstance(events[-1], TurnFinished)
+    # Each RoundEvent closes the tokens of its round.
+    current = 1
+    for e in events[1:-1]:
+        if isinstance(e, TokenEvent):
+            assert e.round == current
+        elif isinstance(e, RoundEvent):
+            assert e.round == current
+            current += 1
+    stats = finished(events).stats
+    assert stats.tokens == 12 and stats.rounds == current - 1
+    assert stats.text == "".join(e.text for e in events if isinstance(e, TokenEvent))
+
+
+def test_multi_turn_reuse_equals_full_prefill(target: torch.nn.Module) -> None:
+    cfg = DecodeConfig(mode=Mode.SPEC, k=3, max_new_tokens=16)
+    reused = make(target)
+    list(reused.stream("Once upon a time", cfg))
+    second = list(reused.stream("def add(a, b):", cfg))
+    started = second[0]
+    assert isinstance(started, TurnStarted)
+    assert started.new_prompt_tokens < started.prompt_tokens  # only the new part was prefilled
+
+    fresh = make(target)
+    list(fresh.stream("Once upon a time", cfg))
+    fresh.tokens = []  # forget the caches: the next turn re-prefills everything
+    fresh.target_runner.reset()
+    assert fresh.drafter is not None
+    fresh.drafter.reset()
+    again = list(fresh.stream("def add(a, b):", cfg))
+    assert (
+        isinstance(again[0], TurnStarted) and again[0].new_prompt_tokens == again[0].prompt_tokens
+    )
+    assert tokens_of(second) == tokens_of(again)
+    assert len(reused.messages) == 4
+
+
+def test_streamed_text_handles_split_multibyte_characters() -> None:
+    tok = tiny_tokenizer()
+    text = "Café 東京 🙂 naïve"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > len(text.split())  # byte-level: characters split over tokens
+    dec = IncrementalDecoder(tok)
+    pieces = [dec.add(i) for i in ids] + [dec.flush()]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_generated_text_is_the_decoded_reply(target: torch.nn.Module) -> None:
+    events = list(make(target).stream("emoji 🙂", DecodeConfig(max_new_tokens=48, k=2)))
+    ids = tokens_of(events)
+    streamed = "".join(e.text for e in events if isinstance(e, TokenEvent))
+    decoded = tiny_tokenizer().decode(ids, skip_special_tokens=True)
+    assert streamed == decoded.rstrip("\ufffd") or streamed == decoded
+
+
+def test_stop_string_cuts_the_reply(target: torch.nn.Module) -> None:
+    base = finished(
+        list(make(target).stream("Once upon a time", DecodeConfig(max_new_tokens=40)))
+    ).stats.text
+    stop = base[10:13]
+    assert stop and stop in base
+    events = list(
+        make(target).stream("Once upon a time", DecodeConfig(max_new_tokens=40, stop=(stop,)))
+    )
+    stats = finished(events).stats
+    assert stats.stop_reason == "stop_string"
+    assert stats.text == base[: base.index(stop)]
+    assert "".join(e.text for e in events if isinstance(e, TokenEvent)) == stats.text
+
+
+def test_held_back_prefix() -> None:
+    assert held_back("hello wor", ("world",)) == 3
+    assert held_back("hello", ("xyz",)) == 0
+
+
+def test_cancel_between_rounds_keeps_the_session_usable(target: torch.nn.Module) -> None:
+    s = make(target)
+    cancel = threading.Event()
+    events = []
+    for e in s.stream("Once upon a time", DecodeConfig(max_new_tokens=60, k=2), cancel):
+        events.append(e)
+        if isinstance(e, RoundEvent) and e.round == 3:
+            cancel.set()
+    assert isinstance(events[-1], Cancelled)
+    assert 0 < events[-1].tokens < 60
+    assert s.messages[-1] == ("assistant", events[-1].text)
+    after = list(s.stream("and then?", DecodeConfig(max_new_tokens=8)))
+    assert finished(after).stats.tokens == 8
+
+
+def test_prompt_longer_than_the_context(target: torch.nn.Module) -> None:
+    s = make(target)
+    events = list(s.stream("word " * 400, DecodeConfig(max_new_tokens=8)))
+    assert isinstance(events[-1], Failed)
+    assert "context holds 256" in events[-1].message and events[-1].hint
+    assert s.messages == ()  # the failed turn is not kept; the session stays usable
+    assert finished(list(s.stream("hello", DecodeConfig(max_new_tokens=4)))).stats.tokens == 4
+
+
+def test_old_turns_are_dropped_when_the_context_fills(target: torch.nn.Module) -> None:
+    s = make(target, system_prompt="sys")
+    cfg = DecodeConfig(max_new_tokens=20)
+    for i in range(6):
+        events = list(s.stream(f"turn {i}: " + "story " * 20, cfg))
+        assert isinstance(events[-1], TurnFinished)
+    notices = [e for e in events if isinstance(e, Notice)]
+    assert any("dropped" in n.message for n in notices) or len(s.messages) < 12
+    assert s.messages[-2][1].startswith("turn 5")
+
+
+def test_out_of_memory_becomes_a_message(
+    target: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = make(target)
+    real = s.target_runner.feed
+    calls = {"n": 0}
+
+    def flaky(*a: object, **kw: object) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(*a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(s.target_runner, "feed", flaky)
+    events = list(s.stream("hello", DecodeConfig(max_new_tokens=20, k=2)))
+    assert isinstance(events[-1], Failed) and "out of memory" in events[-1].message
+    assert s.messages == ()
+    assert finished(list(s.stream("hello", DecodeConfig(max_new_tokens=5)))).stats.tokens == 5
+
+
+def test_spec_without_a_draft_says_so(target: torch.nn.Module) -> None:
+    s = ChatSession(loaded(target))
+    events = list(s.stream("hi", DecodeConfig(mode=Mode.SPEC, max_new_tokens=4)))
+    assert any(isinstance(e, Notice) and "no draft" in e.message for e in events)
+    assert finished(events).stats.mode is Mode.PLAIN
+
+
+def test_regenerate_replaces_the_last_reply(target: torch.nn.Module) -> None:
+    s = make(target)
+    first = finished(list(s.stream("hello", DecodeConfig(max_new_tokens=10)))).stats.text
+    again = finished(
+        list(s.regenerate(DecodeConfig(mode=Mode.PLAIN, max_new_tokens=10)))
+    ).stats.text
+    assert again == first  # greedy: the same reply
+    assert len(s.messages) == 2
+
+
+def test_no_chat_template_is_stated(target: torch.nn.Module) -> None:
+    s = make(target)
+    assert not s.has_template
+    assert any("no chat template" in n for n in s.ready.notes)
