@@ -406,3 +406,27 @@ async def test_palette_has_every_action() -> None:
         await pilot.pause(0.3)
         await pilot.press("enter")
         await wait_until(pilot, lambda: app.state.decode.mode is Mode.PLAIN)
+
+
+async def test_an_exception_escaping_a_worker_becomes_a_message() -> None:
+    from specchat.tui.app import SpecChatApp
+
+    app = SpecChatApp(lambda progress: object(), sample_system=False)  # no `ready`: AttributeError
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: any(n.level == "error" for n in app.query(Note)))
+        note = next(n for n in app.query(Note) if n.level == "error")
+        assert "Unexpected error in load: AttributeError" in note.message
+
+
+def test_missing_engine_session_is_a_message(monkeypatch: Any) -> None:
+    import sys
+
+    import pytest
+    from specchat.tui.cli import build_parser
+    from specchat.tui.commands import chat
+
+    monkeypatch.setitem(sys.modules, "specchat.engine.session", None)
+    args = build_parser().parse_args(["chat", "--target", "x", "--draft", "none"])
+    with pytest.raises(EngineError, match="not available") as info:
+        chat._engine_loader(args)(lambda p: None)
+    assert "--replay" in info.value.hint
