@@ -12,6 +12,7 @@ from ..state import ChatState
 from .base import Panel, bar, key_values, ms, pct
 
 SPARK_POINTS = 64
+RECENT_ROUNDS = 3
 
 
 class _LatencyText(Widget):
@@ -38,9 +39,9 @@ class _LatencyText(Widget):
             ("verify / round", ms(m.mean_verify_ms)),
             ("draft share", f"{bar(share, 10)} {pct(share)}" if share is not None else "n/a"),
         ]
-        last = m.round_timings[-1] if m.round_timings else None
-        if last is not None:
-            rows.append(("last round", f"draft {ms(last.draft_ms)} · verify {ms(last.verify_ms)}"))
+        for r in list(m.round_timings)[-RECENT_ROUNDS:]:
+            what = f"{r.accepted}/{r.k} ok" if r.k else r.mode.value
+            rows.append((f"round {r.round}", f"draft {r.draft_ms:.1f} + verify {r.verify_ms:.1f} ms · {what}"))
         c = m.cost_ratio
         alpha = m.acceptance_rate
         k = m.current_k
