@@ -1,0 +1,52 @@
+"""The embedded default pair, end to end: speculative greedy output equals plain, acceptance is high.
+
+Float32 on the CPU (exactness needs it); 32 new tokens of a code prompt.
+Needs the pair in the cache (the test command runs `specchat models fetch`
+first); skips with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from specchat.engine import registry
+from specchat.engine.config import DecodeConfig, Mode, ModelSpec
+from specchat.engine.errors import FetchError
+from specchat.engine.events import TokenEvent, TurnFinished
+from specchat.engine.session import ChatSession
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Write a Python function is_palindrome(s) that ignores case and punctuation."
+
+
+@pytest.fixture(scope="module")
+def session() -> ChatSession:
+    target, draft = registry.DEFAULT_PAIR
+    try:
+        for name in (target, draft):
+            registry.resolve(name, fetch=False)
+    except FetchError as exc:
+        pytest.skip(f"default pair not cached: {exc.message}")
+    return ChatSession.load(ModelSpec(target, dtype="float32"), ModelSpec(draft, dtype="float32"))
+
+
+def reply(session: ChatSession, cfg: DecodeConfig) -> tuple[list[int], TurnFinished]:
+    session.reset()
+    events = list(session.stream(PROMPT, cfg))
+    fin = events[-1]
+    assert isinstance(fin, TurnFinished), fin
+    return [e.token_id for e in events if isinstance(e, TokenEvent)], fin
+
+
+def test_greedy_speculative_equals_plain_on_the_default_pair(session: ChatSession) -> None:
+    plain, p = reply(session, DecodeConfig(mode=Mode.PLAIN, max_new_tokens=32))
+    spec, s = reply(session, DecodeConfig(mode=Mode.SPEC, k=4, max_new_tokens=32))
+    assert spec == plain
+    assert len(plain) == 32
+    assert "def is_palindrome" in p.stats.text
+    assert s.stats.acceptance_rate is not None and s.stats.acceptance_rate > 0.5
+    print(
+        f"\nplain {p.stats.tokens_per_s:.2f} tok/s, spec {s.stats.tokens_per_s:.2f} tok/s, "
+        f"acceptance {s.stats.acceptance_rate:.2f}, tokens/round {s.stats.mean_accepted_length:.2f}"
+    )
