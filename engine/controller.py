@@ -58,6 +58,7 @@ class Controller:
 
     PROBE_AFTER = 24  # plain tokens before speculation is tried again
     DECAY = 0.85  # weight of the past in the acceptance estimate
+    HYSTERESIS = 0.05  # change K only for a 5% better expected speedup
 
     def __init__(self, cfg: DecodeConfig, costs: Costs | None = None, alpha0: float = 0.7) -> None:
         self.cfg = cfg
@@ -149,5 +150,10 @@ class Controller:
             self.mode = Mode.SPEC
             self._pending_reason = f"speculation pays again: {s:.2f}x expected at K={k} ({facts})"
         elif k != self.k:
+            current = expected_speedup(
+                min(self.alpha, 0.99), self.k, c, self.costs.verify_ratio(self.k)
+            )
+            if s < current * (1 + self.HYSTERESIS):
+                return  # not worth a change: K would flap on noise
             self._pending_reason = f"K {self.k}->{k}: expected speedup {s:.2f}x ({facts})"
         self.k = k
