@@ -1,0 +1,423 @@
+"""One benchmark run: a prompt from a prompt file, decoded by one arm.
+
+An arm is a session mode (`plain`, `spec`, `self-spec`, `early-exit`) or a
+transformers baseline run on the session's own model objects:
+`hf-generate` (`model.generate`) and `hf-assisted` (`model.generate(
+assistant_model=draft)`). A `RunRecord` holds everything measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .config import DecodeConfig, Mode
+from .errors import EngineError
+from .events import Failed, Notice, RoundEvent, TokenEvent, TurnFinished, TurnStarted
+
+if TYPE_CHECKING:
+    from .session import ChatSession
+    from .telemetry import Telemetry
+
+try:
+    import psutil
+except Exception:  # pragma: no cover - psutil is a dependency
+    psutil = None  # type: ignore[assignment]
+
+HF_GENERATE = "hf-generate"
+HF_ASSISTED = "hf-assisted"
+BASELINES = (HF_GENERATE, HF_ASSISTED)
+SESSION_ARMS = tuple(m.value for m in Mode)
+ROLES = ("system", "user", "assistant")
+
+
+class PromptFileError(EngineError):
+    """The prompt file cannot be read or a line is not a prompt."""
+
+
+# -- prompts -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BenchPrompt:
+    """One prompt: the last user message, with what came before it."""
+
+    id: str
+    kind: str
+    prompt: str
+    history: tuple[tuple[str, str], ...] = ()  # earlier (role, content) turns
+    system: str | None = None
+
+    @property
+    def messages(self) -> list[tuple[str, str]]:
+        return [*self.history, ("user", self.prompt)]
+
+
+def parse_prompt(data: object, where: str) -> BenchPrompt:
+    """One JSON object {"id", "kind", "messages": [{"role", "content"}, ...]}."""
+    if not isinstance(data, dict):
+        raise PromptFileError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    messages = data.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise PromptFileError(f'{where}: "messages" must be a non-empty list')
+    turns: list[tuple[str, str]] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise PromptFileError(f"{where}: message {i} is not an object")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise PromptFileError(
+                f"{where}: message {i} has role {role!r}; expected one of {ROLES}"
+            )
+        if not isinstance(content, str):
+            raise PromptFileError(f'{where}: message {i} has no string "content"')
+        turns.append((role, content))
+    system = None
+    if turns[0][0] == "system":
+        system = turns.pop(0)[1]
+    if any(r == "system" for r, _ in turns):
+        raise PromptFileError(f"{where}: a system message may only come first")
+    if not turns or turns[-1][0] != "user":
+        raise PromptFileError(f"{where}: the last message must be the user's")
+    pid = data.get("id", where)
+    kind = data.get("kind", "default")
+    if not isinstance(pid, str | int) or not isinstance(kind, str):
+        raise PromptFileError(f'{where}: "id" must be a string or number and "kind" a string')
+    return BenchPrompt(str(pid), kind, turns[-1][1], tuple(turns[:-1]), system)
+
+
+def load_prompts(path: str | Path) -> list[BenchPrompt]:
+    """Read a JSONL prompt file; errors name the file and the line."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise PromptFileError(f"cannot read the prompt file {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise PromptFileError(f"{path} is not UTF-8 text") from exc
+    prompts: list[BenchPrompt] = []
+    seen: set[str] = set()
+    for n, line in enumerate(lines, start=1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        where = f"{path}:{n}"
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise PromptFileError(
+                f"{where}: not valid JSON ({exc.msg} at column {exc.colno})",
+                hint='each line must be {"id": ..., "kind": ..., "messages": [{"role": ..., "content": ...}]}',
+            ) from exc
+        p = parse_prompt(data, where)
+        if p.id in seen:
+            raise PromptFileError(f"{where}: duplicate prompt id {p.id!r}")
+        seen.add(p.id)
+        prompts.append(p)
+    if not prompts:
+        raise PromptFileError(f"{path} holds no prompts")
+    return prompts
+
+
+# -- one run -----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class RunRecord:
+    """Everything measured in one (arm, prompt, repeat) run."""
+
+    arm: str
+    prompt_id: str
+    kind: str
+    repeat: int
+    block: int  # index of the (repeat, prompt) block; -1 for warm-up
+    slot: int  # position of the run in its block
+    status: str = "ok"  # "ok" | "unavailable" | "failed"
+    mode_ran: str | None = None  # TurnStats.mode for session arms
+    prompt_tokens: int = 0
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    seconds: float = 0.0  # submit -> last token
+    ttft_s: float | None = None
+    latencies_ms: list[float] = field(default_factory=list)  # per token, after the first emission
+    chunks: list[int] = field(default_factory=list)  # tokens per emission (round or streamer put)
+    rounds: list[tuple[int, int]] = field(default_factory=list)  # (k, accepted) speculative rounds
+    exit_layers: list[int] = field(default_factory=list)
+    early_exits: int = 0
+    mean_layers: float | None = None
+    fallbacks: list[str] = field(default_factory=list)
+    notices: list[str] = field(default_factory=list)
+    stop_reason: str = ""
+    rss_bytes: int | None = None
+    cuda_peak_bytes: int | None = None
+    error: str | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.n_tokens / self.seconds if self.ok and self.seconds > 0 else None
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens after the first over the time after the first emission."""
+        if not self.ok or self.ttft_s is None or self.n_tokens < 2:
+            return None
+        rest = self.seconds - self.ttft_s
+        return (self.n_tokens - self.chunks[0]) / rest if self.chunks and rest > 0 else None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["tokens_per_s"] = self.tokens_per_s
+        out["decode_tokens_per_s"] = self.decode_tokens_per_s
+        return out
+
+
+def _chunk_latencies(
+    t0: float, emits: Sequence[tuple[float, int]]
+) -> tuple[float | None, list[float]]:
+    """(time to first token, per-token latencies in ms) from (time, tokens) emissions."""
+    if not emits:
+        return None, []
+    lat: list[float] = []
+    for (t_prev, _), (t, n) in zip(emits, emits[1:], strict=False):
+        if n:
+            lat.extend([(t - t_prev) * 1e3 / n] * n)
+    return emits[0][0] - t0, lat
+
+
+class Memory:
+    """Peak memory of one run: RSS after it (psutil), torch's CUDA peak during it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.process = psutil.Process(os.getpid()) if psutil is not None else None
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def stop(self, rec: RunRecord) -> None:
+        if self.process is not None:
+            rec.rss_bytes = int(self.process.memory_info().rss)
+        if self.cuda:
+            rec.cuda_peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+
+
+def fresh_conversation(session: ChatSession, prompt: BenchPrompt, system: str | None) -> None:
+    """A new conversation holding the prompt's earlier turns, with empty caches.
+
+    `session.tokens = []` makes the next turn reuse no cached prefix: it
+    prefills the whole conversation, whatever the previous run left behind.
+    """
+    session.reset()
+    session.tokens = []
+    session.target_runner.reset()
+    if session.drafter is not None:
+        session.drafter.reset()
+    session.system_prompt = prompt.system if prompt.system is not None else system
+    # ChatSession has no public setter for prior turns; the conversation is its list.
+    session._messages.extend(prompt.history)
+
+
+def run_session_arm(
+    session: ChatSession,
+    prompt: BenchPrompt,
+    arm: str,
+    cfg: DecodeConfig,
+    rec: RunRecord,
+    memory: Memory,
+    telemetry: Telemetry | None = None,
+) -> RunRecord:
+    """Decode `prompt` in mode `arm` and fill `rec`."""
+    mode = Mode(arm)
+    cfg = cfg.with_(mode=mode)
+    model_name = session.target.info.name
+    emits: list[tuple[float, int]] = []
+    round_tokens = 0
+    last_t = 0.0
+    stats = None
+    memory.start()
+    t0 = time.perf_counter()
+    for ev in session.stream(prompt.prompt, cfg):
+        if telemetry is not None:
+            telemetry.observe(ev, model=model_name, mode=arm)
+        if isinstance(ev, TokenEvent):
+            rec.tokens.append(ev.token_id)
+            round_tokens += 1
+            if ev.exit_layer is not None:
+                rec.exit_layers.append(ev.exit_layer)
+            last_t = ev.t
+        elif isinstance(ev, RoundEvent):
+            if round_tokens:
+                emits.append((last_t, round_tokens))
+            round_tokens = 0
+            if ev.k > 0:
+                rec.rounds.append((ev.k, ev.accepted))
+        elif isinstance(ev, TurnStarted):
+            rec.prompt_tokens = ev.prompt_tokens
+        elif isinstance(ev, Notice):
+            rec.notices.append(ev.message)
+        elif isinstance(ev, TurnFinished):
+            stats = ev.stats
+        elif isinstance(ev, Failed):
+            rec.status, rec.error = "failed", f"{ev.message} ({ev.hint})" if ev.hint else ev.message
+    t_end = time.perf_counter()
+    memory.stop(rec)
+    if round_tokens:  # tokens after the last RoundEvent (none in practice)
+        emits.append((last_t, round_tokens))
+    rec.chunks = [n for _, n in emits]
+    rec.ttft_s, rec.latencies_ms = _chunk_latencies(t0, emits)
+    rec.seconds = (emits[-1][0] if emits else t_end) - t0
+    if stats is not None:
+        rec.mode_ran = stats.mode.value
+        rec.text = stats.text
+        rec.stop_reason = stats.stop_reason
+        rec.early_exits = stats.early_exits
+        rec.mean_layers = stats.mean_layers
+        rec.fallbacks = list(stats.fallbacks)
+        if stats.mode is not mode:
+            rec.status = "unavailable"
+            rec.error = "; ".join(rec.notices) or f"the session ran {stats.mode.value}"
+    elif rec.ok:
+        rec.status, rec.error = "failed", "the reply did not finish"
+    return rec
+
+
+# -- the transformers baselines ------------------------------------------------------
+
+
+class _ChunkTimer:
+    """A transformers streamer recording when each chunk of new tokens arrives."""
+
+    def __init__(self) -> None:
+        self.emits: list[tuple[float, int]] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        now = time.perf_counter()
+        if not self._prompt_seen:  # generate() first hands over the prompt
+            self._prompt_seen = True
+            return
+        self.emits.append((now, int(value.numel())))
+
+    def end(self) -> None:
+        pass
+
+
+def hf_generation_config(session: ChatSession, cfg: DecodeConfig, max_new_tokens: int) -> Any:
+    """Every setting that matters spelled out, so the checkpoint's defaults
+    (a repetition penalty, sampling) cannot change what the baseline does."""
+    from transformers import GenerationConfig
+
+    from .session import eos_ids
+
+    eos = sorted(eos_ids(session.target))
+    pad = session.tokenizer.pad_token_id
+    sampling = not cfg.greedy
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=sampling,
+        temperature=cfg.temperature if sampling else 1.0,
+        top_k=cfg.top_k if sampling else 0,
+        top_p=cfg.top_p if sampling else 1.0,
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        eos_token_id=eos or None,
+        pad_token_id=pad if pad is not None else (eos[0] if eos else None),
+        use_cache=True,
+    )
+
+
+def run_hf_arm(
+    session: ChatSession,
+    prompt: BenchPrompt,
+    arm: str,
+    cfg: DecodeConfig,
+    rec: RunRecord,
+    memory: Memory,
+    seed: int | None,
+    telemetry: Telemetry | None = None,
+) -> RunRecord:
+    """transformers `generate` (plain or assisted) on the session's own model objects."""
+    if arm == HF_ASSISTED and session.draft is None:
+        rec.status, rec.error = "unavailable", "no draft model is loaded"
+        return rec
+    target: Any = session.target.model
+    gen_cfg = hf_generation_config(session, cfg, cfg.max_new_tokens)
+    extra: dict[str, Any] = {}
+    if arm == HF_ASSISTED:
+        assert session.draft is not None
+        extra["assistant_model"] = session.draft.model
+    timer = _ChunkTimer()
+    if seed is not None:
+        torch.manual_seed(seed)
+    memory.start()
+    t0 = time.perf_counter()
+    ids = session.render(prompt.messages)
+    input_ids = torch.tensor([ids], dtype=torch.long, device=session.target.device)
+    try:
+        with torch.inference_mode():
+            out = target.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                generation_config=gen_cfg,
+                streamer=timer,
+                **extra,
+            )
+    except Exception as exc:  # a baseline failing must not end the benchmark
+        rec.status, rec.error = "failed", f"{type(exc).__name__}: {exc}"
+        return rec
+    t_end = time.perf_counter()
+    memory.stop(rec)
+    rec.prompt_tokens = len(ids)
+    rec.tokens = [int(t) for t in out[0, len(ids) :].tolist()]
+    rec.mode_ran = arm
+    rec.text = session.tokenizer.decode(rec.tokens, skip_special_tokens=True)
+    rec.chunks = [n for _, n in timer.emits]
+    rec.ttft_s, rec.latencies_ms = _chunk_latencies(t0, timer.emits)
+    rec.seconds = (timer.emits[-1][0] if timer.emits else t_end) - t0
+    eos = set(gen_cfg.eos_token_id or [])
+    rec.stop_reason = "eos" if rec.tokens and rec.tokens[-1] in eos else "max_tokens"
+    if telemetry is not None:
+        telemetry.observe_run(
+            model=session.target.info.name,
+            mode=arm,
+            tokens=rec.n_tokens,
+            ttft_s=rec.ttft_s,
+            latencies_s=[v / 1e3 for v in rec.latencies_ms],
+            seconds=rec.seconds,
+        )
+    return rec
+
+
+def hf_assistant_settings(session: ChatSession) -> dict[str, Any] | None:
+    """What transformers' assisted generation will use (read from the draft's generation config)."""
+    if session.draft is None:
+        return None
+    g = session.draft.model.generation_config
+    defaults = (
+        g._get_default_generation_params() if hasattr(g, "_get_default_generation_params") else {}
+    )
+    keys = (
+        "num_assistant_tokens",
+        "num_assistant_tokens_schedule",
+        "assistant_confidence_threshold",
+    )
+    return {
+        k: getattr(g, k, None) if getattr(g, k, None) is not None else defaults.get(k) for k in keys
+    }

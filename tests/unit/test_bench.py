@@ -1,0 +1,309 @@
+"""Benchmark statistics, prompt files, interleaving and the A/B tests, on synthetic data."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from specchat.engine.ab import first_divergence
+from specchat.engine.bench import BenchResult, RunRecord, summarize
+from specchat.engine.bench_runs import PromptFileError, load_prompts
+from specchat.engine.bench_stats import (
+    acceptance_by_position,
+    chi2_sf,
+    chi_square_homogeneity,
+    interleaved_order,
+    median,
+    paired_ratios,
+    ratio,
+    spread,
+    total_variation,
+)
+from specchat.engine.config import Mode
+from specchat.engine.events import Provenance, RoundEvent, TokenEvent
+from specchat.engine.metrics import DecodeMetrics
+
+# -- medians, ratios, spreads ----------------------------------------------------
+
+
+def test_median_ignores_missing_and_non_finite() -> None:
+    assert median([3.0, 1.0, 2.0]) == 2.0
+    assert median([4.0, 1.0, 3.0, 2.0]) == 2.5
+    assert median([1.0, float("nan"), 5.0, None]) == 3.0  # type: ignore[list-item]
+    assert median([]) is None
+
+
+def test_ratio_and_spread() -> None:
+    assert ratio(6.0, 3.0) == 2.0
+    assert ratio(1.0, 0.0) is None
+    assert ratio(None, 1.0) is None
+    assert spread([5.0, 1.0, 3.0]) == {"median": 3.0, "min": 1.0, "max": 5.0}
+    assert spread([]) == {"median": None, "min": None, "max": None}
+
+
+def test_paired_ratios_use_only_blocks_both_arms_completed() -> None:
+    arm = {0: 20.0, 1: 30.0, 2: 12.0}
+    ref = {0: 10.0, 1: 10.0, 3: 7.0}  # block 2 failed in the reference, 3 in the arm
+    assert sorted(paired_ratios(arm, ref)) == [2.0, 3.0]
+
+
+def test_paired_ratios_stay_exact_under_drift_that_spreads_the_raw_figures() -> None:
+    # The machine slows down 3x during the run; B is 1.5x faster than A in every block.
+    slowdown = [1.0, 1.0, 3.0, 3.0, 3.0]
+    a = {blk: 10.0 / s for blk, s in enumerate(slowdown)}
+    b = {blk: 15.0 / s for blk, s in enumerate(slowdown)}
+    ratios = paired_ratios(b, a)
+    assert spread(ratios) == pytest.approx({"median": 1.5, "min": 1.5, "max": 1.5})
+    raw = spread(list(b.values()))
+    assert raw["max"] / raw["min"] == pytest.approx(3.0)  # type: ignore[operator]
+
+
+# -- interleaving ------------------------------------------------------------------
+
+
+def test_interleaved_order_without_rotation_is_a_b_c_a_b_c() -> None:
+    order = interleaved_order(["A", "B", "C"], n_prompts=2, repeats=1, rotate=False)
+    assert [arm for _, _, arm in order] == ["A", "B", "C", "A", "B", "C"]
+    assert [p for _, p, _ in order] == [0, 0, 0, 1, 1, 1]
+
+
+def test_interleaved_order_rotates_so_every_arm_takes_every_slot() -> None:
+    arms = ["A", "B", "C"]
+    order = interleaved_order(arms, n_prompts=2, repeats=3, rotate=True)
+    assert len(order) == 3 * 2 * 3
+    blocks = [order[i : i + 3] for i in range(0, len(order), 3)]
+    slot_counts: Counter[tuple[str, int]] = Counter()
+    for blk in blocks:
+        assert sorted(a for _, _, a in blk) == arms  # every arm once per block
+        assert len({(r, p) for r, p, _ in blk}) == 1  # one (repeat, prompt) per block
+        for slot, (_, _, a) in enumerate(blk):
+            slot_counts[(a, slot)] += 1
+    assert set(slot_counts.values()) == {2}  # 6 blocks: each arm twice in each slot
+    assert [a for _, _, a in blocks[1]] == ["B", "C", "A"]
+
+
+def test_interleaved_order_visits_prompts_within_each_repeat() -> None:
+    order = interleaved_order(["A", "B"], n_prompts=3, repeats=2)
+    assert [(r, p) for r, p, _ in order[::2]] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+
+
+# -- acceptance ---------------------------------------------------------------------
+
+
+def test_acceptance_by_position_hand_computed() -> None:
+    # K=3 rounds accepting 3, 1, 0 drafts: position 1 reached 3x, passed 2x;
+    # position 2 reached 2x (rounds 1, 2), passed 1x; position 3 reached 1x, passed 1x.
+    assert acceptance_by_position([(3, 3), (3, 1), (3, 0)]) == [2 / 3, 1 / 2, 1.0]
+    assert acceptance_by_position([]) == []
+
+
+def test_acceptance_by_position_matches_the_metrics_module() -> None:
+    rng = random.Random(7)
+    rounds = []
+    for _ in range(200):
+        k = rng.randint(1, 6)
+        rounds.append((k, rng.randint(0, k)))
+    m = DecodeMetrics(window=10_000)
+    for i, (k, acc) in enumerate(rounds, 1):
+        for pos in range(acc):
+            m.observe(TokenEvent(5, "a", Provenance.ACCEPTED, i, pos, t=float(i)))
+        m.observe(TokenEvent(6, "b", Provenance.CORRECTED, i, acc, t=float(i)))
+        m.observe(RoundEvent(i, Mode.SPEC, k, acc, 1.0, 2.0))
+    assert acceptance_by_position(rounds) == pytest.approx(m.acceptance_by_position())
+
+
+# -- prompt files ---------------------------------------------------------------------
+
+
+def write(tmp_path: Path, lines: list[str]) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_load_prompts_splits_system_history_and_prompt(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        [
+            json.dumps(
+                {"id": "a", "kind": "facts", "messages": [{"role": "user", "content": "Q?"}]}
+            ),
+            "",
+            json.dumps(
+                {
+                    "id": "b",
+                    "kind": "multiturn",
+                    "messages": [
+                        {"role": "system", "content": "Be terse."},
+                        {"role": "user", "content": "Hi"},
+                        {"role": "assistant", "content": "Hello"},
+                        {"role": "user", "content": "Bye"},
+                    ],
+                }
+            ),
+        ],
+    )
+    a, b = load_prompts(path)
+    assert (a.id, a.kind, a.prompt, a.history, a.system) == ("a", "facts", "Q?", (), None)
+    assert b.system == "Be terse."
+    assert b.history == (("user", "Hi"), ("assistant", "Hello"))
+    assert b.prompt == "Bye"
+    assert b.messages[-1] == ("user", "Bye")
+
+
+def test_the_shared_dev_prompts_load() -> None:
+    path = Path(__file__).resolve().parents[2].parent / "shared" / "prompts" / "dev_prompts.jsonl"
+    if not path.is_file():
+        pytest.skip(f"{path} is absent")
+    prompts = load_prompts(path)
+    assert len(prompts) >= 2
+    assert all(p.prompt for p in prompts)
+
+
+@pytest.mark.parametrize(
+    ("line", "needle"),
+    [
+        ('{"id": "x", "messages": [', "not valid JSON"),
+        ('["a list"]', "expected a JSON object"),
+        ('{"id": "x", "messages": []}', "non-empty list"),
+        ('{"id": "x", "messages": [{"role": "bot", "content": "hi"}]}', "role 'bot'"),
+        ('{"id": "x", "messages": [{"role": "user"}]}', 'no string "content"'),
+        ('{"id": "x", "messages": [{"role": "assistant", "content": "hi"}]}', "last message"),
+        (
+            '{"id": "x", "messages": [{"role": "user", "content": "a"}, '
+            '{"role": "system", "content": "b"}, {"role": "user", "content": "c"}]}',
+            "only come first",
+        ),
+    ],
+)
+def test_a_malformed_line_is_reported_with_its_line_number(
+    tmp_path: Path, line: str, needle: str
+) -> None:
+    good = json.dumps({"id": "ok", "messages": [{"role": "user", "content": "fine"}]})
+    path = write(tmp_path, [good, good.replace('"ok"', '"ok2"'), line])
+    with pytest.raises(PromptFileError) as exc:
+        load_prompts(path)
+    assert f"{path}:3:" in exc.value.message
+    assert needle in exc.value.message
+
+
+def test_duplicate_ids_missing_and_empty_files(tmp_path: Path) -> None:
+    line = json.dumps({"id": "same", "messages": [{"role": "user", "content": "x"}]})
+    with pytest.raises(PromptFileError, match=r":2: duplicate prompt id 'same'"):
+        load_prompts(write(tmp_path, [line, line]))
+    with pytest.raises(PromptFileError, match="holds no prompts"):
+        load_prompts(write(tmp_path, [""]))
+    with pytest.raises(PromptFileError, match="cannot read"):
+        load_prompts(tmp_path / "absent.jsonl")
+
+
+# -- aggregation -------------------------------------------------------------------------
+
+
+def record(arm: str, block: int, tps: float, tokens: list[int], **kw: object) -> RunRecord:
+    rec = RunRecord(arm, f"p{block}", "kind-a" if block % 2 == 0 else "kind-b", 0, block, 0)
+    rec.tokens = tokens
+    rec.seconds = len(tokens) / tps
+    rec.ttft_s = 0.1
+    rec.chunks = [1] * len(tokens)
+    rec.latencies_ms = [1000.0 / tps] * (len(tokens) - 1)
+    for k, v in kw.items():
+        setattr(rec, k, v)
+    return rec
+
+
+def test_summarize_pairs_ratios_within_blocks_and_reports_unavailable_modes() -> None:
+    plain = [record("plain", b, tps, [1, 2, 3, 4]) for b, tps in enumerate([10.0, 20.0, 40.0])]
+    spec = [
+        record("spec", b, tps, [1, 2, 3, 4], rounds=[(4, 3)])
+        for b, tps in enumerate([15.0, 30.0, 60.0])
+    ]
+    spec[2].tokens = [1, 2, 3, 9]  # one reply differs from plain
+    early = [
+        RunRecord("early-exit", f"p{b}", "kind-a", 0, b, 2, status="unavailable", error="no module")
+        for b in range(3)
+    ]
+    result = BenchResult(
+        config={},
+        environment={},
+        models={},
+        arms=["plain", "spec", "early-exit"],
+        load_start={},
+        load_end={},
+        records=plain + spec + early,
+        warmup=[],
+        unavailable={"early-exit": "no module"},
+        seconds=1.0,
+    )
+    summarize(result)
+    s = result.summary
+    assert s["spec"]["speedup_vs_plain"] == {"median": 1.5, "min": 1.5, "max": 1.5}
+    assert s["spec"]["tokens_per_s"] == {"median": 30.0, "min": 15.0, "max": 60.0}
+    assert s["spec"]["acceptance_rate"] == 0.75
+    assert s["spec"]["mean_accepted_length"] == 4.0
+    assert s["spec"]["acceptance_by_position"] == [1.0, 1.0, 1.0, 0.0]
+    assert s["spec"]["same_tokens_as_plain"] == {"equal": 2, "compared": 3}
+    assert s["early-exit"]["status"] == "unavailable"
+    assert s["early-exit"]["reason"] == "no module"
+    assert s["early-exit"]["tokens_per_s"]["median"] is None
+    assert set(result.by_kind) == {"kind-a", "kind-b"}
+    assert result.by_kind["kind-b"]["spec"]["runs"] == 1
+    json.dumps(result.to_dict())  # every figure serialises
+
+
+# -- A/B helpers -------------------------------------------------------------------------
+
+
+def test_first_divergence() -> None:
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+    assert first_divergence([], []) is None
+
+
+def test_chi2_survival_function_known_values() -> None:
+    assert chi2_sf(3.841458820694124, 1) == pytest.approx(0.05, abs=1e-9)
+    assert chi2_sf(9.487729036781154, 4) == pytest.approx(0.05, abs=1e-9)
+    assert chi2_sf(0.0, 3) == 1.0
+    assert chi2_sf(200.0, 3) < 1e-40
+    try:
+        from scipy.stats import chi2
+    except ImportError:
+        return
+    for x, k in [(0.3, 1), (2.0, 2), (20.0, 10), (100.0, 80), (7.0, 7), (55.0, 3)]:
+        assert chi2_sf(x, k) == pytest.approx(chi2.sf(x, k), rel=1e-9, abs=1e-15)
+
+
+def test_chi_square_homogeneity_accepts_one_distribution_and_rejects_two() -> None:
+    """Seeded samples: N=2000 per side, 6 categories, significance 0.01."""
+    rng = random.Random(1234)
+    probs = [0.4, 0.2, 0.15, 0.1, 0.1, 0.05]
+    shifted = [0.3, 0.25, 0.15, 0.1, 0.1, 0.1]  # total variation 0.1
+    cats = list(range(6))
+    a = Counter(rng.choices(cats, probs, k=2000))
+    b = Counter(rng.choices(cats, probs, k=2000))
+    c = Counter(rng.choices(cats, shifted, k=2000))
+    _, dof, p_same = chi_square_homogeneity(a, b)
+    assert dof == 5
+    assert p_same > 0.01
+    _, _, p_diff = chi_square_homogeneity(a, c)
+    assert p_diff < 1e-6
+    assert total_variation(a, c) == pytest.approx(0.1, abs=0.04)
+
+
+def test_chi_square_pools_rare_categories() -> None:
+    a = Counter({"x": 50, "y": 45, "r1": 1, "r2": 2, "r3": 2})
+    b = Counter({"x": 48, "y": 47, "r1": 2, "r4": 3})
+    stat, dof, p = chi_square_homogeneity(a, b)
+    assert dof == 2  # x, y and the pooled rare categories
+    assert 0.0 <= p <= 1.0 and stat >= 0.0
+    assert chi_square_homogeneity(Counter({"x": 5}), Counter({"x": 9})) == (0.0, 0, 1.0)
+
+
+def test_total_variation_bounds() -> None:
+    assert total_variation(Counter("aab"), Counter("aab")) == 0.0
+    assert total_variation(Counter("aa"), Counter("bb")) == 1.0
