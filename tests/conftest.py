@@ -1,0 +1,35 @@
+"""Fixtures shared by the test suites."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def tmp_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty model cache of its own; the hub is marked offline so nothing goes out."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SPECCHAT_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return cache
+
+
+@pytest.fixture(scope="session")
+def stories260k_dir() -> Path:
+    """The real tiny test model (../shared/models/stories260k); skips when it is absent."""
+    from specchat.engine import registry
+
+    folder = registry.get("stories260k").local_folder()
+    if folder is None or not (folder / "config.json").is_file():
+        pytest.skip(f"stories260k not found at {folder} (set SPECCHAT_STORIES260K)")
+    return folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread() -> None:
+    """Tiny models run fastest on one thread; two threads contend badly on a shared 2-core box."""
+    import torch
+
+    torch.set_num_threads(1)
