@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from specchat.engine.calibration import collect, load_calibration
 from specchat.engine.config import DecodeConfig, Mode, QuantMode
 from specchat.engine.early_exit import EarlyExitStepper
 from specchat.engine.events import Provenance, TokenEvent, TurnFinished
 from specchat.engine.loading import LoadedModel, describe
 from specchat.engine.session import ChatSession
-
 from tests.stories import STORIES, load_stories, needs_stories
 
 pytestmark = [needs_stories, pytest.mark.slow]

@@ -10,6 +10,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers import DynamicCache
+
 from specchat.engine.calibration import (
     Calibration,
     LayerRecords,
@@ -29,8 +31,6 @@ from specchat.engine.early_exit import (
 from specchat.engine.events import Provenance, TokenEvent, TurnFinished
 from specchat.engine.runner import ModelRunner
 from specchat.engine.session import ChatSession
-from transformers import DynamicCache
-
 from tests.tinymodels import loaded, tiny_llama
 
 PROMPTS = ("Once upon a time", "def add(a, b):")

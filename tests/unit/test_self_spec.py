@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from specchat.engine.config import DecodeConfig, Mode
 from specchat.engine.early_exit import SelfSpecDrafter
 from specchat.engine.events import Provenance, TokenEvent, TurnFinished
 from specchat.engine.runner import ModelRunner
 from specchat.engine.session import ChatSession
 from specchat.engine.speculative import plain_step, speculative_round
-
 from tests.tinymodels import loaded, tiny_llama
 
 PROMPTS = ("Once upon a time", "def add(a, b):")
