@@ -48,8 +48,9 @@ if TYPE_CHECKING:
     from .loading import LoadedModel
     from .session import ChatSession
 
-# Used when the model has no calibration and no --exit-threshold was given.
-DEFAULT_THRESHOLD = 0.9
+# Used when the model has no calibration and no --exit-threshold was given:
+# strict, because an uncalibrated exit layer can be confidently wrong.
+DEFAULT_THRESHOLD = 0.99
 
 
 class Measure(StrEnum):
