@@ -26,10 +26,8 @@ test: $(STAMP)
 	$(VENV)/bin/specchat models fetch
 	$(VENV)/bin/ruff check engine tui themes tests
 	$(VENV)/bin/mypy
-	$(VENV)/bin/lint-imports
 	$(PY) -m pytest
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check engine tui themes tests
 	$(VENV)/bin/mypy
-	$(VENV)/bin/lint-imports

@@ -136,7 +136,7 @@ def load_model(
             hint="the files may be missing or corrupt; `specchat models verify` checks presets",
         ) from exc
     if "device_map" not in kwargs:
-        model.to(device)  # in place for nn.Module
+        model.to(device)  # type: ignore[arg-type]  # in place for nn.Module
     if quant is not None:
         model = quant.apply(model, spec.quant)
     model.eval()

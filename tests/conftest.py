@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+# Idle OpenMP threads must not spin while another test process or thread needs
+# the core (read at torch import, so set before any test module imports torch).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from pathlib import Path
 
 import pytest

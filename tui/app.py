@@ -21,6 +21,13 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from textual import on, work
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import Screen
+from textual.worker import Worker, WorkerState, get_current_worker
+
 from specchat.engine.config import DecodeConfig, Mode
 from specchat.engine.errors import EngineError
 from specchat.engine.events import (
@@ -34,12 +41,6 @@ from specchat.engine.events import (
     TurnStarted,
 )
 from specchat.themes import DEFAULT_THEME, PROVENANCE_DEFAULTS, THEMES
-from textual import on, work
-from textual.app import App, ComposeResult, SystemCommand
-from textual.binding import Binding
-from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.screen import Screen
-from textual.worker import Worker, WorkerState, get_current_worker
 
 from . import actions
 from .messages import (

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from textual.message import Message
+
 from specchat.engine.config import DecodeConfig
 from specchat.engine.events import (
     Cancelled,
@@ -23,7 +25,6 @@ from specchat.engine.events import (
     TurnFinished,
     TurnStarted,
 )
-from textual.message import Message
 
 
 @dataclass

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import tomli_w
+
 from specchat.engine.config import DecodeConfig, Mode
 from specchat.themes import DEFAULT_THEME
 

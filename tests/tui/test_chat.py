@@ -8,17 +8,6 @@ import threading
 from typing import Any
 
 from rich.console import Console
-from specchat.engine.config import Mode
-from specchat.engine.errors import EngineError
-from specchat.engine.events import LoadProgress, Provenance, TokenEvent, TurnFinished
-from specchat.engine.replay import ReplaySession
-from specchat.tui.messages import RoundCompleted, SystemSampled
-from specchat.tui.panels import AcceptancePanel, DevicesPanel, EarlyExitPanel, LatencyPanel
-from specchat.tui.widgets.inspector import Inspector
-from specchat.tui.widgets.prompt import PromptInput
-from specchat.tui.widgets.reply import ReplyView, TokenBody
-from specchat.tui.widgets.status import LoadView, StatusLine
-from specchat.tui.widgets.transcript import Note, Transcript
 from textual.color import Color
 from textual.widgets import ProgressBar
 from tui_helpers import (
@@ -32,6 +21,18 @@ from tui_helpers import (
     send,
     wait_until,
 )
+
+from specchat.engine.config import Mode
+from specchat.engine.errors import EngineError
+from specchat.engine.events import LoadProgress, Provenance, TokenEvent, TurnFinished
+from specchat.engine.replay import ReplaySession
+from specchat.tui.messages import RoundCompleted, SystemSampled
+from specchat.tui.panels import AcceptancePanel, DevicesPanel, EarlyExitPanel, LatencyPanel
+from specchat.tui.widgets.inspector import Inspector
+from specchat.tui.widgets.prompt import PromptInput
+from specchat.tui.widgets.reply import ReplyView, TokenBody
+from specchat.tui.widgets.status import LoadView, StatusLine
+from specchat.tui.widgets.transcript import Note, Transcript
 
 
 def plain(renderable: Any, width: int = 56) -> str:
@@ -422,6 +423,7 @@ def test_missing_engine_session_is_a_message(monkeypatch: Any) -> None:
     import sys
 
     import pytest
+
     from specchat.tui.cli import build_parser
     from specchat.tui.commands import chat
 

@@ -7,9 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tui_helpers import SIZE, make_app, ready
+
 from specchat import themes
 from specchat.engine.events import Provenance
-from tui_helpers import SIZE, make_app, ready
 
 TUI = Path(__file__).resolve().parents[2] / "tui"
 HEX = re.compile(r"#[0-9a-fA-F]{3}(?:[0-9a-fA-F]{3})?(?:[0-9a-fA-F]{2})?\b")

@@ -6,12 +6,13 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from tui_helpers import SIZE, make_app, ready
+
 from specchat.engine.config import DecodeConfig, Mode
 from specchat.tui.cli import build_parser
 from specchat.tui.commands import chat
 from specchat.tui.settings import Settings, SettingsStore, config_path
 from specchat.tui.widgets.transcript import Note
-from tui_helpers import SIZE, make_app, ready
 
 
 def test_config_path_env_and_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

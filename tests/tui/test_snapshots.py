@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from textual.pilot import Pilot
+from tui_helpers import FIXED_SAMPLE, SIZE, make_app, ready, send
+
 from specchat.engine.events import Provenance
 from specchat.tui.messages import SystemSampled
 from specchat.tui.widgets.reply import ReplyView
 from specchat.tui.widgets.transcript import Transcript
-from textual.pilot import Pilot
-from tui_helpers import FIXED_SAMPLE, SIZE, make_app, ready, send
 
 
 async def _settle(pilot: Pilot) -> None:

@@ -7,11 +7,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from textual.pilot import Pilot
+
 from specchat.engine.config import DecodeConfig, Mode
 from specchat.engine.events import Provenance, RoundEvent, SystemSample, TokenEvent, TurnStarted
 from specchat.engine.replay import ReplaySession, synthesize_trace
 from specchat.tui.app import SpecChatApp
-from textual.pilot import Pilot
 
 SIZE = (160, 48)
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from specchat.engine.config import DecodeConfig, Mode
 from specchat.engine.events import (
     Provenance,

@@ -9,6 +9,7 @@ import time
 
 import psutil
 import pytest
+
 from specchat.engine import probes
 from specchat.engine.events import SystemSample
 

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from specchat.engine.config import DecodeConfig, Mode
 from specchat.engine.errors import EngineError
 from specchat.engine.events import (

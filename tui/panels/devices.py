@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.console import Group
 from rich.text import Text
+
 from specchat.engine.events import ModelInfo
 
 from .base import Panel, bar, key_values, nbytes, pct

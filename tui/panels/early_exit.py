@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.console import Group
 from rich.text import Text
+
 from specchat.engine.config import Mode
 
 from .base import Panel, histogram, key_values, pct

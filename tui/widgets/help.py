@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from specchat.engine.events import Provenance
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Markdown
+
+from specchat.engine.events import Provenance
 
 from ..actions import ACTIONS
 from .tokens import DESCRIPTIONS, LABELS, TEXT_STYLES

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from rich.table import Table
 from rich.text import Text
-from specchat.engine.events import Provenance, RoundEvent, TokenEvent
 from textual.widget import Widget
+
+from specchat.engine.events import Provenance, RoundEvent, TokenEvent
 
 from .tokens import DESCRIPTIONS, LABELS, TOKEN_COMPONENTS, provenance_styles, token_css, visible
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from rich.text import Text
-from specchat.engine.events import Provenance
 from textual.widget import Widget
+
+from specchat.engine.events import Provenance
 
 from .tokens import LABELS, TOKEN_COMPONENTS, provenance_styles, token_css
 

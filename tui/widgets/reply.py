@@ -4,6 +4,13 @@ from __future__ import annotations
 
 from rich.style import Style
 from rich.text import Text
+from textual import events
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.css.query import NoMatches
+from textual.message import Message
+from textual.widgets import Markdown, Static
+
 from specchat.engine.config import DecodeConfig
 from specchat.engine.events import (
     Cancelled,
@@ -13,12 +20,6 @@ from specchat.engine.events import (
     TurnFinished,
     TurnStarted,
 )
-from textual import events
-from textual.app import ComposeResult
-from textual.containers import Vertical
-from textual.css.query import NoMatches
-from textual.message import Message
-from textual.widgets import Markdown, Static
 
 from .tokens import TOKEN_COMPONENTS, cursor_style, provenance_styles, token_css
 

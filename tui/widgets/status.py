@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from rich.text import Text
-from specchat.engine.config import DecodeConfig
-from specchat.engine.events import LoadProgress
 from textual.containers import Vertical
 from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import ProgressBar, Static
+
+from specchat.engine.config import DecodeConfig
+from specchat.engine.events import LoadProgress
 
 
 def describe_decode(cfg: DecodeConfig) -> str:

@@ -14,8 +14,9 @@ Widgets that draw tokens list `TOKEN_COMPONENTS` as component classes, add
 from __future__ import annotations
 
 from rich.style import Style
-from specchat.engine.events import Provenance
 from textual.widget import Widget
+
+from specchat.engine.events import Provenance
 
 TEXT_STYLES: dict[Provenance, str] = {
     Provenance.ACCEPTED: "underline",
