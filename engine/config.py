@@ -42,6 +42,7 @@ class ModelSpec:
     quant: QuantMode = QuantMode.NONE
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    head_shortlist: int = 0  # draft only: score the first N token ids (+ specials); 0 = all
 
 
 @dataclass(frozen=True, slots=True)

@@ -137,6 +137,13 @@ def load_model(
         ) from exc
     if "device_map" not in kwargs:
         model.to(device)  # type: ignore[arg-type]  # in place for nn.Module
+    if spec.head_shortlist:
+        from .draft_head import apply_shortlist
+
+        special = [int(i) for i in getattr(tokenizer, "all_special_ids", [])]
+        special += [int(i) for i in getattr(tokenizer, "added_tokens_decoder", {})]
+        kept = apply_shortlist(model, spec.head_shortlist, special)
+        report(LoadProgress("load", 1, 1, detail=f"{role}: head scores {kept} tokens"))
     if quant is not None:
         model = quant.apply(model, spec.quant)
     model.eval()

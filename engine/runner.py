@@ -19,7 +19,8 @@ class ModelRunner:
         self.device = device
         self.cache = DynamicCache(config=model.config)
         self.cached = 0
-        self.vocab = int(model.get_output_embeddings().weight.shape[0])
+        head = model.get_output_embeddings()
+        self.vocab = int(getattr(head, "vocab", None) or head.weight.shape[0])
 
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)

@@ -31,6 +31,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target-quant", choices=quants, default=None, help="target quantization")
     g.add_argument("--draft-quant", choices=quants, default=None, help="draft quantization")
     g.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        metavar="N",
+        help="draft head scores only the first N token ids and the special tokens "
+        "(cheaper drafts; output stays exact)",
+    )
+    g.add_argument(
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
@@ -111,6 +119,7 @@ def model_specs(args: argparse.Namespace) -> tuple[ModelSpec, ModelSpec | None]:
             quant=QuantMode(args.draft_quant) if args.draft_quant else QuantMode.NONE,
             dtype=args.dtype,
             device=args.device,
+            head_shortlist=getattr(args, "draft_vocab", None) or 0,
         )
         if draft_src
         else None
