@@ -42,7 +42,7 @@ class ShortlistHead(nn.Module):
         return out.index_copy_(-1, self.ids, small)
 
     def extra_repr(self) -> str:
-        return f"shortlist={len(self.ids)} of {self.vocab}"
+        return f"shortlist={self.proj.out_features} of {self.vocab}"
 
 
 def shortlist_ids(vocab: int, keep: int, extra: Iterable[int] = ()) -> Tensor:
@@ -65,4 +65,4 @@ def apply_shortlist(model: PreTrainedModel, keep: int, extra: Iterable[int] = ()
     new = ShortlistHead(head, ids)
     model.set_output_embeddings(new)
     model.config.tie_word_embeddings = False
-    return len(new.ids)
+    return int(ids.numel())
