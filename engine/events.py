@@ -203,21 +203,7 @@ Event = Union[  # noqa: UP007 - a runtime union, used by from_dict
 ]
 
 _EVENT_TYPES: dict[str, type[Any]] = {
-    cls.__name__: cls
-    for cls in (
-        TokenEvent,
-        RoundEvent,
-        SystemSample,
-        LoadProgress,
-        Ready,
-        Notice,
-        TurnStarted,
-        TurnFinished,
-        Cancelled,
-        Failed,
-        ModelInfo,
-        TurnStats,
-    )
+    cls.__name__: cls for cls in (*typing.get_args(Event), ModelInfo, TurnStats)
 }
 
 
