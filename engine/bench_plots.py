@@ -95,7 +95,10 @@ def plot_acceptance(data: dict[str, Any], out_dir: Path) -> list[Path]:
     if not drawn:
         _empty(ax, "no speculative rounds")
     else:
-        ax.set_ylim(0, 1.05)
+        from matplotlib.ticker import MaxNLocator
+
+        ax.set_ylim(-0.03, 1.05)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("draft position")
         ax.set_ylabel("P(accepted | earlier drafts accepted)")
         ax.legend()

@@ -253,9 +253,13 @@ def run_with_progress(
     ) as bar:
         task = bar.add_task("bench", total=None)
 
+        t0 = time.perf_counter()
+
         def progress(ev: BenchProgress) -> None:
             label = f"{ev.phase} {ev.arm} {ev.prompt_id}".strip()
             bar.update(task, completed=ev.done, total=ev.total, description=label)
+            if not console.is_terminal:  # a log file gets one line per run instead of a bar
+                console.print(f"[{ev.done}/{ev.total}] {time.perf_counter() - t0:.0f}s {label}")
 
         return run_bench(
             session,
@@ -276,6 +280,13 @@ def run_with_progress(
 
 def _num(v: float | None, fmt: str = "{:.1f}", none: str = "-") -> str:
     return none if v is None else fmt.format(v)
+
+
+def _speed(v: float | None) -> str:
+    """Tokens/s with three significant figures at most (0.87, 12.4, 145)."""
+    if v is None:
+        return "-"
+    return f"{v:.2f}" if v < 10 else f"{v:.1f}" if v < 100 else f"{v:.0f}"
 
 
 def _ratio(s: dict[str, Any] | None) -> str:
@@ -337,8 +348,8 @@ def print_result(data: dict[str, Any], console: Any) -> None:
         same = f.get("same_tokens_as_plain")
         speed.add_row(
             arm,
-            _num(tps["median"]),
-            f"{_num(tps['min'], '{:.0f}')}-{_num(tps['max'], '{:.0f}')}",
+            _speed(tps["median"]),
+            f"{_speed(tps['min'])}-{_speed(tps['max'])}",
             _ratio(f.get("speedup_vs_plain")),
             _ratio(f.get("speedup_vs_hf-generate")),
             _num(f["ttft_s"] * 1e3 if f["ttft_s"] is not None else None, "{:.0f}"),
@@ -371,7 +382,7 @@ def print_result(data: dict[str, Any], console: Any) -> None:
             cells = []
             for a in arms:
                 f = per_arm[a]
-                cell = _num(f["tokens_per_s"]["median"])
+                cell = _speed(f["tokens_per_s"]["median"])
                 if a != "plain" and "speedup_vs_plain" in f:
                     cell += f" ({_ratio(f['speedup_vs_plain'])})"
                 cells.append(cell)
