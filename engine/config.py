@@ -39,7 +39,7 @@ class ModelSpec:
     """
 
     source: str
-    quant: QuantMode = QuantMode.NONE
+    quant: QuantMode | None = QuantMode.NONE  # None: chosen per device (loading.default_quant)
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     head_shortlist: int = 0  # draft only: score the first N token ids (+ specials); 0 = all

@@ -27,9 +27,20 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="draft model, same forms as --target; 'none' for no draft "
         "(default: the default pair's draft)",
     )
-    quants = [q.value for q in QuantMode]
-    g.add_argument("--target-quant", choices=quants, default=None, help="target quantization")
-    g.add_argument("--draft-quant", choices=quants, default=None, help="draft quantization")
+    quants = ["auto", *(q.value for q in QuantMode)]
+    g.add_argument(
+        "--target-quant",
+        choices=quants,
+        default="auto",
+        help="target quantization (auto: int8 on the CPU, bnb-int8 on CUDA; "
+        "small models stay as loaded)",
+    )
+    g.add_argument(
+        "--draft-quant",
+        choices=quants,
+        default="auto",
+        help="draft quantization (auto: int4 on the CPU, bnb-nf4 on CUDA)",
+    )
     g.add_argument(
         "--draft-vocab",
         type=int,
@@ -96,6 +107,10 @@ def decode_config(args: argparse.Namespace, base: DecodeConfig | None = None) ->
     return cfg.with_(**changes) if changes else cfg
 
 
+def _quant(flag: str | None) -> QuantMode | None:
+    return None if flag in (None, "auto") else QuantMode(flag)
+
+
 def model_specs(args: argparse.Namespace) -> tuple[ModelSpec, ModelSpec | None]:
     """Target and draft specs from the flags; presets fill what is not given."""
     from specchat.engine import registry
@@ -109,14 +124,14 @@ def model_specs(args: argparse.Namespace) -> tuple[ModelSpec, ModelSpec | None]:
         draft_src = None
     target = ModelSpec(
         target_src,
-        quant=QuantMode(args.target_quant) if args.target_quant else QuantMode.NONE,
+        quant=_quant(args.target_quant),
         dtype=args.dtype,
         device=args.device,
     )
     draft = (
         ModelSpec(
             draft_src,
-            quant=QuantMode(args.draft_quant) if args.draft_quant else QuantMode.NONE,
+            quant=_quant(args.draft_quant),
             dtype=args.dtype,
             device=args.device,
             head_shortlist=getattr(args, "draft_vocab", None) or 0,

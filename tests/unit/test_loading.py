@@ -1,0 +1,48 @@
+"""Loading choices that need no weights: devices, dtypes, automatic quantization."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from specchat.engine.config import QuantMode
+from specchat.engine.errors import ModelLoadError
+from specchat.engine.loading import _approx_params, default_quant, pick_device, pick_dtype
+from specchat.tui.commands import common
+
+
+def test_default_quant_by_device_and_role() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert default_quant("target", cpu, 1_500_000_000) is QuantMode.INT8
+    assert default_quant("draft", cpu, 500_000_000) is QuantMode.INT4
+    assert default_quant("target", cuda, 1_500_000_000) is QuantMode.BNB_INT8
+    assert default_quant("draft", cuda, 500_000_000) is QuantMode.BNB_NF4
+    assert default_quant("target", cpu, 292_800) is QuantMode.NONE
+
+
+def test_approx_params_of_the_default_target_shape() -> None:
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(
+        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, vocab_size=151936
+    )
+    assert 1.5e9 < _approx_params(cfg) < 2.0e9
+
+
+def test_cpu_dtype_and_missing_cuda() -> None:
+    assert pick_dtype("auto", torch.device("cpu")) is torch.float32
+    assert pick_dtype("bfloat16", torch.device("cpu")) is torch.bfloat16
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelLoadError, match="CUDA is not available"):
+            pick_device("cuda")
+
+
+def test_cli_quant_flags_mean_auto_unless_given() -> None:
+    p = argparse.ArgumentParser()
+    common.add_model_args(p)
+    target, draft = common.model_specs(p.parse_args([]))
+    assert target.quant is None and draft is not None and draft.quant is None
+    target, draft = common.model_specs(p.parse_args(["--target-quant", "none", "--draft", "none"]))
+    assert target.quant is QuantMode.NONE and draft is None
