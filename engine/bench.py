@@ -115,10 +115,22 @@ class BenchProgress:
 
 
 def machine_load(interval: float = 0.5) -> dict[str, Any]:
-    """Load averages and CPU use over `interval` seconds (None where unavailable)."""
-    out: dict[str, Any] = {"loadavg": None, "cpu_percent": None, "cpu_percent_per_core": None}
+    """Load averages, CPU use over `interval` seconds, and this process's peak RSS so far
+    (None where unavailable)."""
+    out: dict[str, Any] = {
+        "loadavg": None,
+        "cpu_percent": None,
+        "cpu_percent_per_core": None,
+        "process_peak_rss_bytes": None,
+    }
     with contextlib.suppress(OSError):
         out["loadavg"] = list(os.getloadavg())
+    with contextlib.suppress(ImportError, OSError):
+        import resource
+
+        # ru_maxrss is in KiB on Linux (bytes on macOS).
+        scale = 1 if platform.system() == "Darwin" else 1024
+        out["process_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
     if psutil is not None:
         per_core = psutil.cpu_percent(interval=interval, percpu=True)
         out["cpu_percent_per_core"] = per_core
