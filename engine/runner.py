@@ -20,7 +20,9 @@ class ModelRunner:
         self.cache = DynamicCache(config=model.config)
         self.cached = 0
         head = model.get_output_embeddings()
-        self.vocab = int(getattr(head, "vocab", None) or head.weight.shape[0])
+        # Rows of the output projection (quantized heads have no .weight).
+        rows = getattr(head, "vocab", None) or getattr(head, "out_features", None)
+        self.vocab = int(rows or model.config.vocab_size)
 
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)

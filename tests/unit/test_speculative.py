@@ -151,3 +151,22 @@ def test_sampled_speculative_follows_the_target_distribution() -> None:
     assert counts[expected == 0].sum() == 0
     exp = expected[support] / expected[support].sum() * n
     assert chisquare(counts[support], exp).pvalue > 1e-3
+
+
+@pytest.mark.parametrize(("target_quant", "draft_quant"), [("int8", "int4"), ("int4", "int8")])
+def test_greedy_spec_with_quantized_models_equals_plain_of_the_same_target(
+    target_quant: str, draft_quant: str
+) -> None:
+    """Exact with respect to the target as loaded: both arms use the same quantized target."""
+    from specchat.engine import quant
+    from specchat.engine.config import QuantMode
+
+    target = quant.apply(tiny_llama(seed=0, layers=4), QuantMode(target_quant))
+    draft = quant.apply(layer_truncated(tiny_llama(seed=0, layers=4), 3), QuantMode(draft_quant))
+    outs = {}
+    for mode in (Mode.PLAIN, Mode.SPEC):
+        s = ChatSession(loaded(target), loaded(draft, "draft"))
+        events = list(s.stream("Once upon a time", DecodeConfig(mode=mode, k=3, max_new_tokens=32)))
+        outs[mode] = [e.token_id for e in events if isinstance(e, TokenEvent)]
+    assert outs[Mode.SPEC] == outs[Mode.PLAIN]
+    assert len(outs[Mode.PLAIN]) == 32
