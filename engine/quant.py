@@ -1,0 +1,467 @@
+"""Weight quantization: one handler per `QuantMode`.
+
+Every handler takes the same three steps, in the manner of gpt-fast's
+`quantize.py`, and the loader calls all three for every mode:
+
+    check(config, device)   refuse, with a reason, what cannot work here
+    load_kwargs(device)     extra `from_pretrained` arguments (load-time modes)
+    apply(model)            swap `nn.Linear` modules after loading (post-load modes)
+
+A step that means nothing for a mode is a no-op: `load_kwargs` returns `{}`
+for post-load modes and `apply` returns the model untouched for load-time
+modes.
+
+Modes:
+
+- `none`: weights as loaded (bf16 / float16 / float32).
+- `bnb-nf4`, `bnb-int8`: bitsandbytes 4-bit NormalFloat and LLM.int8() through
+  transformers' `BitsAndBytesConfig`, quantized while loading. bitsandbytes
+  0.50 runs both on the CPU as well as on CUDA (on a CPU without AVX512-BF16
+  it dequantizes to the compute dtype and calls a float matmul, so it saves
+  memory, not time).
+- `int8`: weight-only int8, one symmetric scale per output channel, through
+  torch's `_weight_int8pack_mm` CPU kernel (activations in bf16).
+- `int4`: weight-only int4, asymmetric scales and zeros per group of input
+  channels, through torch's tinygemm CPU kernels
+  (`_convert_weight_to_int4pack_for_cpu`, `_weight_int4pack_mm_for_cpu`).
+
+Both post-load kernels compute every output row from its own input row only
+(checked bit for bit in the tests), so a quantized target gives the same
+logits for a token whether it is verified in a block of K+1 or decoded alone:
+speculative decoding stays exact with respect to the target as loaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from .config import QuantMode
+from .errors import QuantizationError
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the tinygemm CPU kernel accepts
+DEFAULT_GROUP_SIZE = 32  # same kernel speed as 64 or 128, fewer greedy flips (docs/quantization.md)
+QUANTIZE_LM_HEAD = True  # post-load modes quantize the output projection unless told not to
+
+BNB_BLOCK_SIZE = 64  # bitsandbytes 4-bit block of weights sharing one absmax
+_COMPUTE_DTYPE = torch.bfloat16  # activations of the int8 / int4 CPU kernels (fp32: 5-14x slower)
+_ROWS_PER_CHUNK = 8192  # quantize large weights (the lm_head) in slices to bound peak memory
+
+
+# --------------------------------------------------------------------------- modules
+
+
+class Int8WeightOnlyLinear(nn.Module):
+    """y = x @ (int8 weight * per-channel scale)^T + bias, via `aten._weight_int8pack_mm`."""
+
+    weight_int8: torch.Tensor  # [N, K] int8
+    scales: torch.Tensor  # [N] bf16
+    bias: torch.Tensor | None  # [N], in the model's dtype
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        if linear.in_features % 8:  # the kernel would read past the row and crash the process
+            raise QuantizationError(f"int8 needs in_features % 8 == 0, got {linear.in_features}")
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        weight_int8, scales = quantize_int8(linear.weight.detach())
+        self.register_buffer("weight_int8", weight_int8)
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape  # [..., K]
+        x2 = x.reshape(-1, self.in_features).to(self.scales.dtype)  # [M, K]
+        y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scales)  # [M, N]
+        y = y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
+
+
+class Int4WeightOnlyLinear(nn.Module):
+    """y = x @ dequant(int4 weight)^T + bias, via torch's tinygemm CPU kernel.
+
+    Dequantization, per group of `group_size` input channels:
+    w = (q - 8) * scale + zero, q in [0, 15].
+    """
+
+    weight_int4pack: torch.Tensor  # [N, K / 2] uint8, the kernel's packed layout
+    scales_and_zeros: torch.Tensor  # [K / group_size, N, 2] bf16
+    bias: torch.Tensor | None
+
+    def __init__(self, linear: nn.Linear, group_size: int) -> None:
+        super().__init__()
+        n, k = linear.out_features, linear.in_features
+        if group_size not in INT4_GROUP_SIZES or k % group_size or n % 16:
+            raise QuantizationError(
+                f"int4 needs a group size in {INT4_GROUP_SIZES} dividing in_features and "
+                f"out_features % 16 == 0; got group {group_size} for {k} -> {n}"
+            )
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.group_size = group_size
+        packed, scales_and_zeros = quantize_int4(linear.weight.detach(), group_size)
+        self.register_buffer("weight_int4pack", packed)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape  # [..., K]
+        x2 = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype)  # [M, K]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2, self.weight_int4pack, self.group_size, self.scales_and_zeros
+        )  # [M, N]
+        y = y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"int4 group_size={self.group_size}"
+        )
+
+
+@torch.no_grad()
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: weight [N, K] -> (int8 [N, K], bf16 scales [N])."""
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-10).to(_COMPUTE_DTYPE)  # [N]
+    q = (w / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)  # [N, K]
+    return q, scales
+
+
+@torch.no_grad()
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric grouped int4: weight [N, K] -> (packed uint8 [N, K/2], [K/g, N, 2] bf16).
+
+    Scales and zeros are rounded to bf16 first and the weights quantized
+    against the rounded values, so the kernel dequantizes what was measured.
+    """
+    n_rows = weight.shape[0]
+    packed_parts, sz_parts = [], []
+    for start in range(0, n_rows, _ROWS_PER_CHUNK):
+        w = weight[start : start + _ROWS_PER_CHUNK].float()  # [n, K]
+        n, k = w.shape
+        groups = w.reshape(n, k // group_size, group_size)  # [n, G, g]
+        w_min, w_max = groups.amin(dim=-1), groups.amax(dim=-1)  # [n, G]
+        scales = ((w_max - w_min).clamp(min=1e-6) / 15).to(_COMPUTE_DTYPE)
+        zeros = (w_min + scales.float() * 8).to(_COMPUTE_DTYPE)  # the value q = 8 stands for
+        lowest = zeros.float() - scales.float() * 8  # the value q = 0 stands for
+        q = ((groups - lowest[..., None]) / scales.float()[..., None]).round().clamp(0, 15)
+        q = q.to(torch.int32).reshape(n, k)
+        packed_parts.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        sz_parts.append(torch.stack([scales, zeros], dim=-1))  # [n, G, 2]
+    packed = torch.cat(packed_parts)  # [N, K/2]
+    scales_and_zeros = torch.cat(sz_parts).transpose(0, 1).contiguous()  # [G, N, 2]
+    return packed, scales_and_zeros
+
+
+# --------------------------------------------------------------------------- shapes
+
+
+@dataclass(frozen=True, slots=True)
+class LinearShape:
+    name: str
+    in_features: int
+    out_features: int
+    is_lm_head: bool
+
+
+def meta_model(config: PretrainedConfig) -> nn.Module:
+    """The model `config` describes, on the meta device: shapes without memory or time."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model: nn.Module = AutoModelForCausalLM.from_config(config)
+    return model
+
+
+def linear_shapes(config: PretrainedConfig) -> list[LinearShape]:
+    """Every nn.Linear of the model `config` describes, lm_head included and marked."""
+    model = meta_model(config)
+    head = _output_embeddings(model)
+    return [
+        LinearShape(name, m.in_features, m.out_features, m is head)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+    ]
+
+
+def _output_embeddings(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if isinstance(head, nn.Module) else None
+
+
+def _installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def _bnb_packs_4bit_for_cpu() -> bool:
+    """Whether bitsandbytes repacks 4-bit weights for its AVX512-BF16 CPU kernel.
+
+    That layout needs in_features % 64 == 0 and out_features % 32 == 0;
+    without AVX512-BF16, bitsandbytes dequantizes and any shape works.
+    """
+    try:
+        from bitsandbytes.functional import has_avx512bf16
+    except ImportError:
+        return False
+    return bool(has_avx512bf16())
+
+
+def _first_bad(
+    shapes: list[LinearShape], *, in_multiple: int = 1, out_multiple: int = 1
+) -> LinearShape | None:
+    for s in shapes:
+        if s.in_features % in_multiple or s.out_features % out_multiple:
+            return s
+    return None
+
+
+# --------------------------------------------------------------------------- handlers
+
+
+class Handler(Protocol):
+    """The steps every mode takes; see the module docstring."""
+
+    mode: QuantMode
+    devices: frozenset[str]  # device types the mode runs on
+
+    def check(
+        self, config: PretrainedConfig, device: torch.device, lm_head: bool, group_size: int
+    ) -> None: ...
+
+    def load_kwargs(
+        self, device: torch.device, compute_dtype: torch.dtype | None
+    ) -> dict[str, Any]: ...
+
+    def apply(self, model: nn.Module, lm_head: bool, group_size: int) -> nn.Module: ...
+
+
+class _AsLoaded:
+    mode = QuantMode.NONE
+    devices = frozenset({"cpu", "cuda"})
+
+    def check(
+        self, config: PretrainedConfig, device: torch.device, lm_head: bool, group_size: int
+    ) -> None:
+        return None
+
+    def load_kwargs(
+        self, device: torch.device, compute_dtype: torch.dtype | None
+    ) -> dict[str, Any]:
+        return {}
+
+    def apply(self, model: nn.Module, lm_head: bool, group_size: int) -> nn.Module:
+        return model
+
+
+class _BitsAndBytes:
+    """bitsandbytes through transformers: quantized while loading, lm_head left as loaded."""
+
+    devices = frozenset({"cpu", "cuda"})
+
+    def __init__(self, mode: QuantMode) -> None:
+        self.mode = mode
+
+    def check(
+        self, config: PretrainedConfig, device: torch.device, lm_head: bool, group_size: int
+    ) -> None:
+        for package in ("bitsandbytes", "accelerate"):
+            if not _installed(package):
+                raise QuantizationError(
+                    f"{self.mode} needs the '{package}' package, which is not installed",
+                    hint=f"pip install {package}, or choose another --quant",
+                )
+        if self.mode is QuantMode.BNB_NF4 and device.type == "cpu" and _bnb_packs_4bit_for_cpu():
+            shapes = [s for s in linear_shapes(config) if not s.is_lm_head]
+            bad = _first_bad(shapes, in_multiple=BNB_BLOCK_SIZE, out_multiple=32)
+            if bad is not None:
+                raise QuantizationError(
+                    f"bnb-nf4 on the CPU needs every Linear's in_features to be a multiple of "
+                    f"{BNB_BLOCK_SIZE} and out_features of 32; {bad.name} is "
+                    f"{bad.in_features} -> {bad.out_features}",
+                    hint="use int4 or int8 on the CPU, or bnb-nf4 on CUDA",
+                )
+
+    def load_kwargs(
+        self, device: torch.device, compute_dtype: torch.dtype | None
+    ) -> dict[str, Any]:
+        from transformers import BitsAndBytesConfig
+
+        if self.mode is QuantMode.BNB_NF4:
+            if compute_dtype is None:  # bf16 tensor cores on CUDA; fp32 matmul is faster on AVX2
+                compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+            config = BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type="nf4",
+                bnb_4bit_compute_dtype=compute_dtype,
+            )
+        else:
+            config = BitsAndBytesConfig(load_in_8bit=True)
+        target = f"cuda:{device.index or 0}" if device.type == "cuda" else "cpu"
+        return {"quantization_config": config, "device_map": {"": target}}
+
+    def apply(self, model: nn.Module, lm_head: bool, group_size: int) -> nn.Module:
+        return model
+
+
+class _Int8WeightOnly:
+    mode = QuantMode.INT8
+    devices = frozenset({"cpu"})
+
+    def check(
+        self, config: PretrainedConfig, device: torch.device, lm_head: bool, group_size: int
+    ) -> None:
+        # The CPU kernel reads in_features in steps of 8 and crashes the process otherwise.
+        bad = _first_bad(_quantized_shapes(config, lm_head), in_multiple=8)
+        if bad is not None:
+            raise QuantizationError(
+                f"int8 needs every Linear's in_features to be a multiple of 8; "
+                f"{bad.name} has {bad.in_features}",
+                hint="use bnb-int8 or none for this model",
+            )
+
+    def load_kwargs(
+        self, device: torch.device, compute_dtype: torch.dtype | None
+    ) -> dict[str, Any]:
+        return {}
+
+    def apply(self, model: nn.Module, lm_head: bool, group_size: int) -> nn.Module:
+        for parent, attr, linear in _linears(model, lm_head):
+            setattr(parent, attr, Int8WeightOnlyLinear(linear))
+        return model
+
+
+class _Int4WeightOnly:
+    mode = QuantMode.INT4
+    devices = frozenset({"cpu"})
+
+    def check(
+        self, config: PretrainedConfig, device: torch.device, lm_head: bool, group_size: int
+    ) -> None:
+        if group_size not in INT4_GROUP_SIZES:
+            raise QuantizationError(
+                f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}",
+                hint=f"the default is {DEFAULT_GROUP_SIZE}",
+            )
+        shapes = _quantized_shapes(config, lm_head)
+        bad = _first_bad(shapes, in_multiple=group_size)
+        if bad is not None:
+            raise QuantizationError(
+                f"int4 needs every Linear's in_features to be divisible by the group size "
+                f"{group_size}; {bad.name} has {bad.in_features}",
+                hint="choose a smaller group size, or int8",
+            )
+        bad = _first_bad(shapes, out_multiple=16)
+        if bad is not None:
+            raise QuantizationError(
+                f"int4 needs every Linear's out_features to be a multiple of 16; "
+                f"{bad.name} has {bad.out_features}",
+                hint="use int8 or bnb-nf4 for this model",
+            )
+
+    def load_kwargs(
+        self, device: torch.device, compute_dtype: torch.dtype | None
+    ) -> dict[str, Any]:
+        return {}
+
+    def apply(self, model: nn.Module, lm_head: bool, group_size: int) -> nn.Module:
+        for parent, attr, linear in _linears(model, lm_head):
+            setattr(parent, attr, Int4WeightOnlyLinear(linear, group_size))
+        return model
+
+
+def _quantized_shapes(config: PretrainedConfig, lm_head: bool) -> list[LinearShape]:
+    return [s for s in linear_shapes(config) if lm_head or not s.is_lm_head]
+
+
+def _linears(model: nn.Module, lm_head: bool) -> Iterator[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute, module) for each nn.Linear to replace; a list, so replacing is safe."""
+    head = _output_embeddings(model)
+    found = []
+    for parent in model.modules():
+        for attr, child in parent.named_children():
+            if isinstance(child, nn.Linear) and (lm_head or child is not head):
+                found.append((parent, attr, child))
+    return iter(found)
+
+
+HANDLERS: dict[QuantMode, Handler] = {
+    QuantMode.NONE: _AsLoaded(),
+    QuantMode.BNB_NF4: _BitsAndBytes(QuantMode.BNB_NF4),
+    QuantMode.BNB_INT8: _BitsAndBytes(QuantMode.BNB_INT8),
+    QuantMode.INT8: _Int8WeightOnly(),
+    QuantMode.INT4: _Int4WeightOnly(),
+}
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def check(
+    mode: QuantMode,
+    config: PretrainedConfig,
+    device: torch.device,
+    *,
+    lm_head: bool = QUANTIZE_LM_HEAD,
+    group_size: int = DEFAULT_GROUP_SIZE,
+) -> None:
+    """Raise QuantizationError, with a hint, if `mode` cannot work for `config` on `device`.
+
+    Pass the same `lm_head` and `group_size` as to `apply`.
+    """
+    handler = HANDLERS[mode]
+    if device.type not in handler.devices:
+        others = " or ".join(m.value for m, h in HANDLERS.items() if device.type in h.devices)
+        raise QuantizationError(
+            f"{mode} runs on the {' or '.join(sorted(handler.devices))} only, not on {device.type}",
+            hint=f"on {device.type} choose {others}",
+        )
+    if mode is not QuantMode.NONE and device.type == "cuda" and not torch.cuda.is_available():
+        raise QuantizationError(
+            f"{mode} on {device} needs CUDA, and this machine (or this torch build) has none",
+            hint="load on the CPU: bnb-nf4 and bnb-int8 run there too; int8 and int4 are faster",
+        )
+    handler.check(config, device, lm_head, group_size)
+
+
+def load_kwargs(
+    mode: QuantMode, device: torch.device, *, compute_dtype: torch.dtype | None = None
+) -> dict[str, Any]:
+    """Extra `from_pretrained` keyword arguments for `mode` ({} for post-load modes).
+
+    `compute_dtype` is the bnb-nf4 matmul dtype; None picks bf16 on CUDA, float32 on the CPU.
+    """
+    return HANDLERS[mode].load_kwargs(device, compute_dtype)
+
+
+def apply(
+    model: nn.Module,
+    mode: QuantMode,
+    *,
+    lm_head: bool = QUANTIZE_LM_HEAD,
+    group_size: int = DEFAULT_GROUP_SIZE,
+) -> nn.Module:
+    """Quantize a loaded model in place for post-load modes and return it.
+
+    Replaces every nn.Linear (the output projection only if `lm_head`) with an
+    int8 or int4 module; the float weights it replaces are freed unless
+    something else holds them (a tied lm_head keeps the embedding's weight).
+    Load-time modes and `none` return the model unchanged.
+    """
+    return HANDLERS[mode].apply(model, lm_head, group_size)
+
+
+def is_load_time(mode: QuantMode) -> bool:
+    """True for modes that quantize inside `from_pretrained` (bitsandbytes)."""
+    return isinstance(HANDLERS[mode], _BitsAndBytes)

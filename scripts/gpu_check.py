@@ -1,0 +1,296 @@
+#!/usr/bin/env python
+"""CUDA check of the bitsandbytes modes: greedy identity of speculative decoding, verify cost.
+
+For bnb-nf4 and bnb-int8 (and a float32 control) this script
+
+1. loads a tiny random target and draft (Llama, built here with fixed seeds,
+   saved to a temporary folder and loaded through `from_pretrained` with
+   specchat's `quant.load_kwargs`), decodes greedily with a small speculative
+   loop (draft K tokens, verify K+1 in one target pass, keep the agreeing
+   prefix plus the target's own token, crop both KV caches), and checks that
+   the tokens equal plain greedy decoding of the same target;
+2. reports how far the target's logits for the same positions differ between
+   one K+1-token verify pass and K+1 single-token steps (a quantized kernel
+   that is not batch-invariant can flip a near-tie, which breaks identity
+   without any bug in the loop: the margin column tells the two apart);
+3. times one decode step against one verify pass of K+1 tokens on a target
+   of Qwen2.5-1.5B width (4 layers, so it builds in seconds).
+
+It installs nothing, needs no network and finishes in well under five
+minutes. Exit status: 0 all identities held, 1 one failed, 2 no CUDA (nothing
+was checked). `--cpu` runs the same checks on the CPU (bitsandbytes 0.50 runs
+both modes there), to try the script on a machine without a GPU.
+
+    python scripts/gpu_check.py [--k 4] [--tokens 40] [--cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+import types
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+try:
+    from specchat.engine import quant
+    from specchat.engine.config import QuantMode
+except ImportError:  # a checkout that was not pip-installed: map specchat.engine to engine/
+    _root = Path(__file__).resolve().parents[1]
+    _pkg = types.ModuleType("specchat")
+    _pkg.__path__ = [str(_root)]
+    sys.modules["specchat"] = _pkg
+    from specchat.engine import quant
+    from specchat.engine.config import QuantMode
+
+PROMPT = [1, 17, 42, 99, 7, 123, 5, 64]
+
+
+def tiny(hidden: int, layers: int, seed: int, vocab: int = 512, inter: int | None = None) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=inter or 2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 128),
+        vocab_size=vocab,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # peaked logits: fewer near-ties than the default 0.02 init
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    return model
+
+
+def load(folder: Path, mode: QuantMode, device: torch.device) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    quant.check(mode, AutoConfig.from_pretrained(folder), device)
+    kwargs = quant.load_kwargs(mode, device) or {"device_map": {"": str(device)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
+    return quant.apply(model.eval(), mode)
+
+
+@torch.inference_mode()
+def plain_greedy(
+    model: nn.Module, prompt: list[int], n_new: int, device: torch.device
+) -> list[int]:
+    from transformers import DynamicCache
+
+    seq, cache = list(prompt), DynamicCache()
+    while len(seq) < len(prompt) + n_new:
+        fresh = torch.tensor([seq[cache.get_seq_length() :]], device=device)
+        seq.append(int(model(fresh, cache=cache, use_cache=True).logits[0, -1].argmax()))
+    return seq[len(prompt) :]
+
+
+@torch.inference_mode()
+def speculative_greedy(
+    target: nn.Module, draft: nn.Module, prompt: list[int], n_new: int, k: int, device: torch.device
+) -> tuple[list[int], float]:
+    """Greedy speculative decoding (Leviathan et al. 2023, at temperature 0).
+
+    Returns the new tokens and the mean number of draft tokens accepted per round.
+    """
+    from transformers import DynamicCache
+
+    seq, t_cache, d_cache = list(prompt), DynamicCache(), DynamicCache()
+    accepted: list[int] = []
+    while len(seq) < len(prompt) + n_new:
+        # 1. the draft proposes k tokens; its cache first catches up on tokens it has not seen
+        proposal: list[int] = []
+        for _ in range(k):
+            fresh = torch.tensor([(seq + proposal)[d_cache.get_seq_length() :]], device=device)
+            logits = draft(fresh, cache=d_cache, use_cache=True).logits[0, -1]
+            proposal.append(int(logits.argmax()))
+        # 2. the target scores the last accepted token and the k proposals in one pass
+        fresh = torch.tensor([(seq + proposal)[t_cache.get_seq_length() :]], device=device)
+        choice = target(fresh, cache=t_cache, use_cache=True).logits[0, -(k + 1) :].argmax(-1)
+        choice_ids = choice.tolist()  # [k + 1]: the target's greedy token after each prefix
+        # 3. keep the agreeing prefix, then the target's own token (correction or bonus)
+        n = 0
+        while n < k and proposal[n] == choice_ids[n]:
+            n += 1
+        seq += proposal[:n] + [choice_ids[n]]
+        accepted.append(n)
+        # 4. roll both caches back to the accepted tokens; the newest one is fed next round
+        for cache in (t_cache, d_cache):
+            extra = cache.get_seq_length() - (len(seq) - 1)
+            if extra > 0:
+                cache.crop(-extra)
+    return seq[len(prompt) : len(prompt) + n_new], statistics.mean(accepted)
+
+
+@torch.inference_mode()
+def batch_variance(
+    model: nn.Module, tokens: list[int], k: int, device: torch.device
+) -> tuple[float, float]:
+    """Max |logit difference| between one (k+1)-token pass and k+1 single steps over the
+    same positions, and the smallest top-1 margin over those positions."""
+    from transformers import DynamicCache
+
+    head, block = tokens[: -(k + 1)], tokens[-(k + 1) :]
+    cache = DynamicCache()
+    model(torch.tensor([head], device=device), cache=cache, use_cache=True)
+    together = model(torch.tensor([block], device=device), cache=cache, use_cache=True)
+    cache.crop(-(k + 1))
+    steps = [
+        model(torch.tensor([[t]], device=device), cache=cache, use_cache=True).logits[0, -1]
+        for t in block
+    ]
+    a, b = together.logits[0].float(), torch.stack(steps).float()  # [k + 1, V]
+    top2 = b.topk(2, dim=-1).values
+    return float((a - b).abs().max()), float((top2[:, 0] - top2[:, 1]).min())
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
+
+
+def timed(fn: Callable[[], object], device: torch.device, reps: int = 20) -> float:
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(3):
+        fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+@torch.inference_mode()
+def verify_cost(model: nn.Module, k: int, device: torch.device) -> tuple[float, float]:
+    """(ms of one decode step, ms of one verify pass of k+1 tokens) after a 128-token context."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    model(torch.arange(128, device=device)[None], cache=cache, use_cache=True)
+    one = torch.tensor([[5]], device=device)
+    block = torch.arange(k + 1, device=device)[None]
+
+    def step() -> None:
+        model(one, cache=cache, use_cache=True)
+        cache.crop(-1)
+
+    def verify() -> None:
+        model(block, cache=cache, use_cache=True)
+        cache.crop(-(k + 1))
+
+    reps = 20 if device.type == "cuda" else 3
+    return timed(step, device, reps), timed(verify, device, reps)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--k", type=int, default=4, help="draft tokens per round")
+    parser.add_argument("--tokens", type=int, default=40, help="new tokens per decode")
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU (tries the script)")
+    args = parser.parse_args()
+
+    if args.cpu:
+        device = torch.device("cpu")
+    elif torch.cuda.is_available():
+        device = torch.device("cuda", 0)
+    else:
+        print(
+            f"gpu_check: no CUDA device visible to torch {torch.__version__} "
+            f"(torch.version.cuda = {torch.version.cuda}); nothing was checked. "
+            "Use --cpu to try the checks on the CPU."
+        )
+        return 2
+    import bitsandbytes
+    import transformers
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # the float32 control must be float32
+    torch.backends.cudnn.allow_tf32 = False
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(
+        f"{name} | torch {torch.__version__} | "
+        f"transformers {transformers.__version__} | bitsandbytes {bitsandbytes.__version__}"
+    )
+    started = time.perf_counter()
+    failures = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        target_dir, draft_dir, wide_dir = Path(tmp, "t"), Path(tmp, "d"), Path(tmp, "w")
+        tiny(256, 4, seed=0).save_pretrained(target_dir)
+        draft = tiny(256, 4, seed=0)
+        torch.manual_seed(2)
+        with torch.no_grad():  # the target plus noise: agrees often, not always
+            for p in draft.parameters():
+                p.add_(0.002 * torch.randn_like(p))
+        draft.save_pretrained(draft_dir)
+        tiny(1536, 4, seed=1, vocab=32000, inter=8960).save_pretrained(wide_dir)
+
+        print(f"\n1-2. greedy identity, K={args.k}, {args.tokens} tokens")
+        print(
+            f"{'target':9} {'draft':9} {'identical':9} {'accepted/round':>14} "
+            f"{'max|dlogit|':>11} {'min margin':>10}"
+        )
+        pairs = [
+            (QuantMode.NONE, QuantMode.BNB_NF4),
+            (QuantMode.NONE, QuantMode.BNB_INT8),
+            (QuantMode.BNB_NF4, QuantMode.BNB_NF4),
+            (QuantMode.BNB_INT8, QuantMode.BNB_INT8),
+        ]
+        for t_mode, d_mode in pairs:
+            target = load(target_dir, t_mode, device)
+            drafter = load(draft_dir, d_mode, device)
+            plain = plain_greedy(target, PROMPT, args.tokens, device)
+            spec, mean_accepted = speculative_greedy(
+                target, drafter, PROMPT, args.tokens, args.k, device
+            )
+            delta, margin = batch_variance(target, PROMPT + plain, args.k, device)
+            same = spec == plain
+            failures += not same
+            where = "yes" if same else f"no @{first_difference(spec, plain)}"
+            t_name = "float32" if t_mode is QuantMode.NONE else t_mode.value
+            print(
+                f"{t_name:9} {d_mode.value:9} {where:9} {mean_accepted:14.2f} "
+                f"{delta:11.2e} {margin:10.3f}"
+            )
+            del target, drafter
+            torch.cuda.empty_cache()
+
+        print(f"\n3. verify cost, 1536 wide x 4 layers, vocab 32000, context 128, K={args.k}")
+        print(f"{'target':9} {'step ms':>8} {f'verify {args.k + 1} ms':>12} {'ratio':>6}")
+        for mode in (QuantMode.NONE, QuantMode.BNB_NF4, QuantMode.BNB_INT8):
+            model = load(wide_dir, mode, device)
+            if mode is QuantMode.NONE:
+                model = model.to(torch.bfloat16)
+            step_ms, verify_ms = verify_cost(model, args.k, device)
+            name = "bf16" if mode is QuantMode.NONE else mode.value
+            print(f"{name:9} {step_ms:8.2f} {verify_ms:12.2f} {verify_ms / step_ms:6.2f}")
+            del model
+            torch.cuda.empty_cache()
+
+    print(
+        f"\n{'all identities held' if not failures else f'{failures} identity check(s) FAILED'}"
+        f" ({time.perf_counter() - started:.0f} s)"
+    )
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""Quantization modes on tiny random Llama models built in code (seeded, no downloads).
+
+Tolerances are relative logit errors, ||logits_q - logits_float|| / ||logits_float||,
+over a prompt plus six greedy tokens. On this model (seed 0, weights N(0, 0.1))
+they measure: int8 0.018, int4 (group 32) 0.20, bnb-int8 0.026, bnb-nf4 0.22.
+Each bound below leaves a margin of about 1.6x; a packing or scale mistake
+gives errors of order 1.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from specchat.engine import quant
+from specchat.engine.config import QuantMode
+from specchat.engine.errors import QuantizationError
+
+CPU = torch.device("cpu")
+CUDA = torch.device("cuda")
+TOLERANCE = {
+    QuantMode.NONE: 0.0,
+    QuantMode.INT8: 0.03,
+    QuantMode.INT4: 0.32,
+    QuantMode.BNB_INT8: 0.04,
+    QuantMode.BNB_NF4: 0.35,
+}
+PROMPT = [[1, 17, 42, 99, 7, 123]]
+NEW_TOKENS = 6
+
+
+def tiny_config(hidden: int = 64, intermediate: int = 128, **overrides: object) -> LlamaConfig:
+    kwargs: dict[str, object] = dict(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+def tiny_model(config: LlamaConfig, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    # Larger weights than the 0.02 default init, so logits are not all near zero.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="module")
+def float_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model(tiny_config()).save_pretrained(path)
+    return path
+
+
+def load(path: Path, mode: QuantMode, group_size: int = 32) -> nn.Module:
+    config = LlamaConfig.from_pretrained(path)
+    quant.check(mode, config, CPU, group_size=group_size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # bitsandbytes' dtype-cast notices
+        model = LlamaForCausalLM.from_pretrained(
+            path, dtype=torch.float32, **quant.load_kwargs(mode, CPU)
+        ).eval()
+    return quant.apply(model, mode, group_size=group_size)
+
+
+@torch.no_grad()
+def greedy(model: nn.Module, n: int = NEW_TOKENS) -> tuple[list[int], torch.Tensor]:
+    """Greedy decoding with a KV cache; returns the new tokens and all logits [T, V]."""
+    cache = DynamicCache()
+    ids = torch.tensor(PROMPT)
+    logits = [model(ids, cache=cache, use_cache=True).logits[0]]  # [P, V]
+    tokens: list[int] = []
+    for _ in range(n):
+        tokens.append(int(logits[-1][-1].argmax()))
+        step = model(torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True).logits[0]
+        logits.append(step)  # [1, V]
+    return tokens, torch.cat(logits).float()
+
+
+# --------------------------------------------------------------------------- modes
+
+
+@pytest.mark.parametrize("mode", list(QuantMode))
+def test_mode_loads_decodes_and_stays_close(float_dir: Path, mode: QuantMode) -> None:
+    reference = LlamaForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
+    model = load(float_dir, mode)
+    # Decode the float model's own tokens, so both see the same sequence.
+    tokens, ref_logits = greedy(reference)
+    cache = DynamicCache()
+    with torch.no_grad():
+        ids = torch.tensor([PROMPT[0] + tokens])
+        full = model(ids, cache=cache, use_cache=True).logits[0].float()  # [P + n, V]
+    rel = float((full[: ref_logits.shape[0]] - ref_logits).norm() / ref_logits.norm())
+    assert rel <= TOLERANCE[mode] + 1e-4, f"{mode}: relative logit error {rel:.4f}"
+    # The quantized model decodes with a cache too, and cropping the cache rolls it back.
+    q_tokens, q_logits = greedy(model)
+    assert len(q_tokens) == NEW_TOKENS and torch.isfinite(q_logits).all()
+    cache.crop(-3)
+    assert cache.get_seq_length() == ids.shape[1] - 3
+    with torch.no_grad():
+        again = model(ids[:, -3:], cache=cache, use_cache=True).logits[0].float()
+    torch.testing.assert_close(again, full[-3:], atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("mode", [QuantMode.INT8, QuantMode.INT4])
+def test_quantized_linears_are_batch_invariant(mode: QuantMode) -> None:
+    """A token's output must not depend on the other tokens of the block (verify vs decode)."""
+    torch.manual_seed(1)
+    model = quant.apply(nn.Sequential(nn.Linear(256, 96, bias=True)), mode, group_size=64)
+    x = torch.randn(9, 256)
+    block = model(x)
+    rows = torch.cat([model(x[i : i + 1]) for i in range(9)])
+    assert torch.equal(block, rows)
+
+
+@torch.no_grad()
+def dequantized(layer: nn.Module, in_features: int) -> torch.Tensor:
+    """The weight [N, K] a quantized layer multiplies by: its output on the identity."""
+    eye = torch.eye(in_features, dtype=torch.bfloat16)
+    return layer(eye).float().t()
+
+
+def test_int8_per_channel_error_bound() -> None:
+    torch.manual_seed(2)
+    linear = nn.Linear(128, 48, bias=False)
+    layer = quant.Int8WeightOnlyLinear(linear)
+    w = linear.weight.detach()
+    step = w.abs().amax(dim=1, keepdim=True) / 127
+    err = (dequantized(layer, 128) - w).abs()
+    assert bool((err <= step / 2 + w.abs() / 128 + 1e-6).all())  # rounding + bf16 output
+
+
+@pytest.mark.parametrize("group_size", quant.INT4_GROUP_SIZES)
+def test_int4_grouped_error_bound(group_size: int) -> None:
+    torch.manual_seed(3)
+    linear = nn.Linear(256, 32, bias=False)
+    layer = quant.Int4WeightOnlyLinear(linear, group_size)
+    w = linear.weight.detach()
+    groups = w.reshape(32, -1, group_size)
+    step = (groups.amax(-1) - groups.amin(-1)) / 15  # [N, G]
+    bound = step.repeat_interleave(group_size, dim=1)
+    err = (dequantized(layer, 256) - w).abs()
+    assert bool((err <= bound / 2 * 1.02 + w.abs() / 128 + 1e-6).all())
+
+
+def test_int4_packing_in_slices_equals_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(4)
+    w = torch.randn(192, 64)
+    whole = quant.quantize_int4(w, 32)
+    monkeypatch.setattr(quant, "_ROWS_PER_CHUNK", 64)
+    sliced = quant.quantize_int4(w, 32)
+    assert torch.equal(whole[0], sliced[0]) and torch.equal(whole[1], sliced[1])
+
+
+def test_apply_lm_head_choice_and_tied_embedding() -> None:
+    config = tiny_config(tie_word_embeddings=True)
+    kept = quant.apply(tiny_model(config), QuantMode.INT8, lm_head=False)
+    assert isinstance(kept.lm_head, nn.Linear)
+    assert kept.lm_head.weight is kept.model.embed_tokens.weight
+    assert not any(isinstance(m, nn.Linear) for n, m in kept.named_modules() if n != "lm_head")
+
+    model = tiny_model(config)
+    embedding = model.model.embed_tokens.weight.detach().clone()
+    quant.apply(model, QuantMode.INT4, lm_head=True, group_size=32)
+    assert isinstance(model.lm_head, quant.Int4WeightOnlyLinear)
+    assert torch.equal(model.model.embed_tokens.weight, embedding)  # embedding untouched
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+
+
+def test_load_kwargs_per_mode() -> None:
+    for mode in (QuantMode.NONE, QuantMode.INT8, QuantMode.INT4):
+        assert quant.load_kwargs(mode, CPU) == {}
+        assert not quant.is_load_time(mode)
+    nf4 = quant.load_kwargs(QuantMode.BNB_NF4, CPU)
+    assert nf4["device_map"] == {"": "cpu"}
+    assert nf4["quantization_config"].load_in_4bit
+    assert nf4["quantization_config"].bnb_4bit_quant_type == "nf4"
+    int8 = quant.load_kwargs(QuantMode.BNB_INT8, torch.device("cuda", 1))
+    assert int8["device_map"] == {"": "cuda:1"} and int8["quantization_config"].load_in_8bit
+    assert quant.is_load_time(QuantMode.BNB_NF4) and quant.is_load_time(QuantMode.BNB_INT8)
+
+
+def test_apply_leaves_load_time_modes_alone() -> None:
+    model = tiny_model(tiny_config())
+    for mode in (QuantMode.NONE, QuantMode.BNB_NF4, QuantMode.BNB_INT8):
+        assert quant.apply(model, mode) is model
+    assert sum(isinstance(m, nn.Linear) for m in model.modules()) == 2 * 7 + 1
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def test_bnb_nf4_cpu_kernel_needs_multiples_of_64(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tiny_config(hidden=96, intermediate=192)
+    monkeypatch.setattr(quant, "_bnb_packs_4bit_for_cpu", lambda: True)  # an AVX512-BF16 CPU
+    with pytest.raises(QuantizationError, match="multiple of 64") as info:
+        quant.check(QuantMode.BNB_NF4, config, CPU)
+    assert "is 96 -> " in info.value.message and info.value.hint
+    quant.check(QuantMode.BNB_NF4, tiny_config(), CPU)  # 64 / 128 pass
+    quant.check(QuantMode.BNB_INT8, config, CPU)  # 8-bit has no such rule
+
+
+def test_bnb_nf4_runs_any_shape_without_the_packed_kernel(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Without AVX512-BF16 bitsandbytes dequantizes, so 96-wide layers load and run."""
+    monkeypatch.setattr(quant, "_bnb_packs_4bit_for_cpu", lambda: False)
+    tiny_model(tiny_config(hidden=96, intermediate=160)).save_pretrained(tmp_path)
+    tokens, logits = greedy(load(tmp_path, QuantMode.BNB_NF4), n=2)
+    assert len(tokens) == 2 and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("mode", [QuantMode.BNB_NF4, QuantMode.BNB_INT8])
+def test_cuda_mode_without_cuda(monkeypatch: pytest.MonkeyPatch, mode: QuantMode) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(QuantizationError, match="needs CUDA"):
+        quant.check(mode, tiny_config(), CUDA)
+
+
+@pytest.mark.parametrize("mode", [QuantMode.INT8, QuantMode.INT4])
+def test_cpu_modes_refuse_cuda(mode: QuantMode) -> None:
+    with pytest.raises(QuantizationError, match="runs on the cpu only") as info:
+        quant.check(mode, tiny_config(), CUDA)
+    assert "bnb-nf4" in info.value.hint
+
+
+def test_bnb_needs_accelerate(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(quant, "_installed", lambda package: package != "accelerate")
+    with pytest.raises(QuantizationError, match="'accelerate'"):
+        quant.check(QuantMode.BNB_INT8, tiny_config(), CPU)
+
+
+def test_int4_group_size_rules() -> None:
+    with pytest.raises(QuantizationError, match=r"one of \(32, 64, 128, 256\), got 48"):
+        quant.check(QuantMode.INT4, tiny_config(), CPU, group_size=48)
+    with pytest.raises(QuantizationError, match="group size 128; .* has 64"):
+        quant.check(QuantMode.INT4, tiny_config(), CPU, group_size=128)
+    config = tiny_config(hidden=96, intermediate=192)
+    with pytest.raises(QuantizationError, match="group size 64; .* has 96"):
+        quant.check(QuantMode.INT4, config, CPU, group_size=64)
+    quant.check(QuantMode.INT4, config, CPU, group_size=32)
+    odd_vocab = tiny_config(vocab_size=250)
+    with pytest.raises(QuantizationError, match="multiple of 16; lm_head has 250"):
+        quant.check(QuantMode.INT4, odd_vocab, CPU, group_size=32)
+    quant.check(QuantMode.INT4, odd_vocab, CPU, group_size=32, lm_head=False)
+
+
+def test_int8_needs_in_features_multiple_of_8() -> None:
+    with pytest.raises(QuantizationError, match="multiple of 8; .* has 100"):
+        quant.check(QuantMode.INT8, tiny_config(intermediate=100), CPU)
+    # apply refuses too, instead of letting the kernel crash the process
+    with pytest.raises(QuantizationError, match="got 100"):
+        quant.apply(nn.Sequential(nn.Linear(100, 16)), QuantMode.INT8)
+    with pytest.raises(QuantizationError, match="got group 64 for 96 -> 16"):
+        quant.apply(nn.Sequential(nn.Linear(96, 16)), QuantMode.INT4, group_size=64)
