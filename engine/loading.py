@@ -98,6 +98,27 @@ def _check_causal_lm(pretrained: str, gguf_file: str | None, label: str) -> Any:
     return config
 
 
+KV_RESERVE_TOKENS = 4096  # KV cache room checked for before loading a model
+
+
+def _check_memory(
+    config: Any, mode: QuantMode, dtype: torch.dtype, device: torch.device, label: str
+) -> None:
+    """Refuse, before loading, a model whose weights (at their loading peak) and a
+    KV cache of KV_RESERVE_TOKENS would not fit in the memory free now. The target
+    loads first, so the draft's check already sees what the target holds."""
+    from .memory import check_fits, estimate_peak_bytes, kv_bytes_per_token
+
+    try:
+        peak = estimate_peak_bytes(config, mode, dtype)
+        kv = kv_bytes_per_token(config, dtype) * min(
+            KV_RESERVE_TOKENS, int(getattr(config, "max_position_embeddings", 2048) or 2048)
+        )
+    except Exception:  # an architecture the estimate cannot build: load and see
+        return
+    check_fits(peak + kv, device, label)
+
+
 def _approx_params(config: Any) -> int:
     """Parameters from the config alone (embeddings, layers, head), before loading."""
     hidden = int(getattr(config, "hidden_size", 0) or 0)
@@ -151,6 +172,7 @@ def load_model(
         quant.check(mode, config, device)
         kwargs.update(quant.load_kwargs(mode, device))
 
+    _check_memory(config, mode, dtype, device, label)
     report(LoadProgress("load", 0, 1, detail=f"{role}: {resolved.name}"))
     # transformers' own progress bars would write over a terminal UI.
     from transformers.utils import logging as hf_logging

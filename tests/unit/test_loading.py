@@ -46,3 +46,17 @@ def test_cli_quant_flags_mean_auto_unless_given() -> None:
     assert target.quant is None and draft is not None and draft.quant is None
     target, draft = common.model_specs(p.parse_args(["--target-quant", "none", "--draft", "none"]))
     assert target.quant is QuantMode.NONE and draft is None
+
+
+def test_a_model_that_cannot_fit_is_refused_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import LlamaConfig
+
+    from specchat.engine import memory
+    from specchat.engine.errors import OutOfMemoryError
+    from specchat.engine.loading import _check_memory
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=320)
+    _check_memory(cfg, QuantMode.NONE, torch.float32, torch.device("cpu"), "the target")
+    monkeypatch.setattr(memory, "available_bytes", lambda _device: 1000)
+    with pytest.raises(OutOfMemoryError, match="loading the target needs"):
+        _check_memory(cfg, QuantMode.NONE, torch.float32, torch.device("cpu"), "the target")
