@@ -203,6 +203,7 @@ def load_model(
         special += [int(i) for i in getattr(tokenizer, "added_tokens_decoder", {})]
         kept = apply_shortlist(model, spec.head_shortlist, special)
         report(LoadProgress("load", 1, 1, detail=f"{role}: head scores {kept} tokens"))
+    params = sum(p.numel() for p in model.parameters())  # before packing hides them
     if quant is not None:
         model = quant.apply(model, mode)
     model.eval()
@@ -217,7 +218,7 @@ def load_model(
         tokenizer,
         device,
         dtype,
-        describe(model, role, resolved.name, spec.source, device, dtype, mode),
+        describe(model, role, resolved.name, spec.source, device, dtype, mode, params),
         resolved.weights_sha256,
     )
 
@@ -230,6 +231,7 @@ def describe(
     device: torch.device,
     dtype: torch.dtype,
     quant: QuantMode = QuantMode.NONE,
+    params: int | None = None,
 ) -> ModelInfo:
     cfg = model.config
     try:
@@ -255,7 +257,7 @@ def describe(
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
         quant=quant.value,
-        params=sum(p.numel() for p in model.parameters()),
+        params=params if params is not None else sum(p.numel() for p in model.parameters()),
         weight_bytes=int(wbytes),
         kv_bytes_per_token=int(kv),
         layers=int(cfg.num_hidden_layers),
