@@ -20,7 +20,10 @@ Modes:
   it dequantizes to the compute dtype and calls a float matmul, so it saves
   memory, not time).
 - `int8`: weight-only int8, one symmetric scale per output channel, through
-  torch's `_weight_int8pack_mm` CPU kernel (activations in bf16).
+  torch's `_weight_int8pack_mm` CPU kernel (activations in bf16). fbgemm's
+  dynamic int8 is faster but quantizes activations too, which costs as many
+  greedy flips as int4; torchao's weight-only int8 dequantizes the whole
+  weight on every call on the CPU. Figures in docs/quantization.md.
 - `int4`: weight-only int4, asymmetric scales and zeros per group of input
   channels, through torch's tinygemm CPU kernels
   (`_convert_weight_to_int4pack_for_cpu`, `_weight_int4pack_mm_for_cpu`).
@@ -77,7 +80,7 @@ class Int8WeightOnlyLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape  # [..., K]
-        x2 = x.reshape(-1, self.in_features).to(self.scales.dtype)  # [M, K]
+        x2 = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()  # [M, K]
         y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scales)  # [M, N]
         y = y.reshape(*shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
@@ -115,7 +118,7 @@ class Int4WeightOnlyLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape  # [..., K]
-        x2 = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype)  # [M, K]
+        x2 = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype).contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2, self.weight_int4pack, self.group_size, self.scales_and_zeros
         )  # [M, N]

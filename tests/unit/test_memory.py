@@ -76,7 +76,9 @@ def test_estimate_equals_measured_post_load(mode: QuantMode, tied: bool) -> None
 
 
 def test_packed_buffers_are_counted_at_their_size() -> None:
-    layer = quant.apply(nn.Sequential(nn.Linear(256, 64, bias=False)), QuantMode.INT4, group_size=64)
+    layer = quant.apply(
+        nn.Sequential(nn.Linear(256, 64, bias=False)), QuantMode.INT4, group_size=64
+    )
     # 256 * 64 weights at 4 bits + (256 / 64 groups) * 64 outputs * (bf16 scale + bf16 zero)
     assert memory.weight_bytes(layer) == 256 * 64 // 2 + 4 * 64 * 4
     layer8 = quant.apply(nn.Sequential(nn.Linear(256, 64, bias=True)), QuantMode.INT8)
