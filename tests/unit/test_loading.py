@@ -17,7 +17,7 @@ def test_default_quant_by_device_and_role() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert default_quant("target", cpu, 1_500_000_000) is QuantMode.INT8
     assert default_quant("draft", cpu, 500_000_000) is QuantMode.INT4
-    assert default_quant("target", cuda, 1_500_000_000) is QuantMode.BNB_INT8
+    assert default_quant("target", cuda, 1_500_000_000) is QuantMode.BNB_NF4
     assert default_quant("draft", cuda, 500_000_000) is QuantMode.BNB_NF4
     assert default_quant("target", cpu, 292_800) is QuantMode.NONE
 

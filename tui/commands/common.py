@@ -32,7 +32,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--target-quant",
         choices=quants,
         default="auto",
-        help="target quantization (auto: int8 on the CPU, bnb-int8 on CUDA; "
+        help="target quantization (auto: int8 on the CPU, bnb-nf4 on CUDA; "
         "small models stay as loaded)",
     )
     g.add_argument(
