@@ -109,7 +109,7 @@ def test_estimate_of_the_default_target_shape() -> None:
     float_bytes = 2 * params + rotary
     assert memory.estimate_load_bytes(config, QuantMode.NONE, torch.bfloat16) == float_bytes
     int4 = memory.estimate_load_bytes(config, QuantMode.INT4, torch.bfloat16)
-    assert 1.1 * GiB < int4 < 1.4 * GiB  # quantized lm_head beside the bf16 embedding
+    assert GiB * 1.1 < int4 < GiB * 1.4  # quantized lm_head beside the bf16 embedding
     nohead = memory.estimate_load_bytes(config, QuantMode.INT4, torch.bfloat16, lm_head=False)
     assert nohead < int4  # tied: leaving the head float costs nothing extra
     # post-load modes pass through the float model
