@@ -13,6 +13,7 @@ weight:
     bnb-int8   1 byte per Linear weight + a float32 scale per output channel
     int8       1 byte per Linear weight + a bf16 scale per output channel
     int4       1/2 byte per Linear weight + bf16 scale and zero per group
+    w8a8       1 byte per Linear weight (fbgemm's packed copy) + scale, zero point, row sum
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ def weight_bytes(model: nn.Module) -> int:
         if key not in seen:
             seen.add(key)
             total += storage.nbytes()
+    # Weights a kernel library packed into its own objects (w8a8's fbgemm), not tensors.
+    total += sum(int(getattr(m, "packed_bytes", 0)) for m in model.modules())
     return total
 
 
@@ -189,6 +192,8 @@ def _quantized_bytes(mode: QuantMode, s: LinearShape, group_size: int) -> int:
         return n * k + 4 * n
     if mode is QuantMode.INT8:
         return n * k + 2 * n
+    if mode is QuantMode.W8A8:
+        return n * k + 12 * n  # fbgemm's packed copy (+ scales, zero points) and row sums
     if mode is QuantMode.INT4:
         return n * k // 2 + (k // group_size) * n * 2 * 2
     raise AssertionError(mode)

@@ -64,7 +64,7 @@ def test_weight_bytes_counts_tied_weights_once() -> None:
     assert memory.weight_bytes(tied.to(torch.bfloat16)) == 2 * (n - 256 * 64) + rotary // 2
 
 
-@pytest.mark.parametrize("mode", [QuantMode.NONE, QuantMode.INT8, QuantMode.INT4])
+@pytest.mark.parametrize("mode", [QuantMode.NONE, QuantMode.INT8, QuantMode.INT4, QuantMode.W8A8])
 @pytest.mark.parametrize("tied", [False, True])
 def test_estimate_equals_measured_post_load(mode: QuantMode, tied: bool) -> None:
     config = tiny_config(tie_word_embeddings=tied)
