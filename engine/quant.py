@@ -465,9 +465,83 @@ class _Int8Dynamic:
         return {}
 
     def apply(self, model: nn.Module, lm_head: bool, group_size: int) -> nn.Module:
+        for parent, attrs in _shared_input_groups(model):
+            group = SharedInputGroup([getattr(parent, a) for a in attrs])
+            for index, attr in enumerate(attrs):
+                setattr(parent, attr, group.member(index))
         for parent, attr, linear in _linears(model, lm_head):
             setattr(parent, attr, Int8DynamicLinear(linear))
         return model
+
+
+# Sibling Linears that the Llama-family modeling code calls one after the other on
+# the same tensor: one GEMM for each group instead of one per projection.
+SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _shared_input_groups(model: nn.Module) -> list[tuple[nn.Module, tuple[str, ...]]]:
+    found = []
+    for parent in model.modules():
+        for attrs in SHARED_INPUT_GROUPS:
+            linears = [getattr(parent, a, None) for a in attrs]
+            if all(type(m) is nn.Linear for m in linears) and (
+                len({m.in_features for m in linears if m is not None}) == 1
+            ):
+                found.append((parent, attrs))
+    return found
+
+
+class SharedInputGroup(nn.Module):
+    """Several Linears that read the same input, as one w8a8 GEMM over their stacked rows.
+
+    The first member called with a tensor computes every member's output and
+    keeps it until each member has taken its part; a member called with any
+    other tensor computes afresh, so the result never depends on call order.
+    Each output row still depends on its own input row only.
+    """
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        super().__init__()
+        stacked = nn.Linear(linears[0].in_features, sum(m.out_features for m in linears), bias=False)
+        stacked.weight = nn.Parameter(torch.cat([m.weight.detach() for m in linears]), requires_grad=False)
+        self.linear = Int8DynamicLinear(stacked)
+        self.sizes = [m.out_features for m in linears]
+        for i, m in enumerate(linears):
+            self.register_buffer(f"bias{i}", None if m.bias is None else m.bias.detach().clone())
+        self._input: torch.Tensor | None = None
+        self._parts: tuple[torch.Tensor, ...] = ()
+        self._pending: set[int] = set()
+
+    def member(self, index: int) -> SharedInputMember:
+        return SharedInputMember(self, index)
+
+    def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        if x is not self._input or index not in self._pending:
+            self._parts = self.linear(x).split(self.sizes, dim=-1)
+            self._input, self._pending = x, set(range(len(self.sizes)))
+        out = self._parts[index]
+        self._pending.discard(index)
+        if not self._pending:  # everyone served: hold no tensors between calls
+            self._input, self._parts = None, ()
+        bias: torch.Tensor | None = getattr(self, f"bias{index}")
+        return out if bias is None else out + bias
+
+
+class SharedInputMember(nn.Module):
+    """Stands where one Linear of a `SharedInputGroup` stood."""
+
+    def __init__(self, group: SharedInputGroup, index: int) -> None:
+        super().__init__()
+        self.group = group
+        self.index = index
+        self.in_features = group.linear.in_features
+        self.out_features = group.sizes[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.part(self.index, x)
+
+    def extra_repr(self) -> str:
+        return f"part {self.index} of a shared-input w8a8 GEMM, out_features={self.out_features}"
 
 
 def _quantized_shapes(config: PretrainedConfig, lm_head: bool) -> list[LinearShape]:

@@ -295,3 +295,30 @@ def test_int8_needs_in_features_multiple_of_8() -> None:
         quant.apply(nn.Sequential(nn.Linear(100, 16)), QuantMode.INT8)
     with pytest.raises(QuantizationError, match="got group 64 for 96 -> 16"):
         quant.apply(nn.Sequential(nn.Linear(96, 16)), QuantMode.INT4, group_size=64)
+
+
+def test_w8a8_shared_input_group_equals_separate_projections() -> None:
+    """q/k/v (and gate/up) run as one GEMM; each part equals its own w8a8 Linear bit for bit,
+    whatever order the parts are asked for in, and a new input is never served stale parts."""
+    torch.manual_seed(4)
+    projections = [nn.Linear(64, n, bias=b) for n, b in ((64, True), (32, True), (32, False))]
+    separate = [quant.Int8DynamicLinear(m) for m in projections]
+    group = quant.SharedInputGroup(projections)
+    members = [group.member(i) for i in range(3)]
+    x, other = torch.randn(5, 64), torch.randn(5, 64)
+    with torch.no_grad():
+        for order in ((0, 1, 2), (2, 0, 1), (1, 1, 0, 2)):
+            for i in order:
+                assert torch.equal(members[i](x), separate[i](x))
+        assert torch.equal(members[0](x), separate[0](x))
+        assert torch.equal(members[1](other), separate[1](other))  # x's parts are not reused
+        assert torch.equal(members[2](x), separate[2](x))
+
+
+def test_w8a8_fuses_llama_projections(float_dir: Path) -> None:
+    model = load(float_dir, QuantMode.W8A8)
+    layer = model.model.layers[0]
+    q, k, v = layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj
+    assert isinstance(q, quant.SharedInputMember) and q.group is k.group is v.group
+    assert layer.mlp.gate_proj.group is layer.mlp.up_proj.group
+    assert isinstance(layer.mlp.down_proj, quant.Int8DynamicLinear)

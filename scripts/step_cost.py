@@ -1,0 +1,102 @@
+"""Cost of one decode step and of verifying K+1 tokens, per model and quantization.
+
+Loads every (model, mode) once, then measures them in interleaved rounds (each
+round visits every model, mode and thread count once, in turn), so drift in a
+shared machine's speed hits all alike. Prints medians over rounds:
+
+    step      ms for one token on a cache of ~PROMPT tokens (median of --tokens steps)
+    verify N  ms for one pass over N new tokens on the same cache, / step
+
+and, for every draft/target pair given, the cost ratio c = draft step / target step.
+
+    python scripts/step_cost.py --models qwen2.5-coder-1.5b-instruct,qwen2.5-coder-0.5b-instruct \\
+        --modes int8,int4,w8a8 --threads 1,2 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from specchat.engine.config import ModelSpec, QuantMode
+from specchat.engine.loading import load_model
+from specchat.engine.runner import ModelRunner
+
+PROMPT = 64
+
+
+def measure(runner: ModelRunner, tokens: int, blocks: list[int]) -> dict[str, float]:
+    runner.reset()
+    runner.feed(list(range(1000, 1000 + PROMPT)))
+    tok, steps = 500, []
+    for _ in range(tokens + 2):
+        t = time.perf_counter()
+        tok = int(runner.feed([tok])[-1].argmax())
+        steps.append(time.perf_counter() - t)
+    out = {"step": statistics.median(steps[2:]) * 1000}
+    for n in blocks:
+        cached, times = runner.cached, []
+        for _ in range(3):
+            t = time.perf_counter()
+            runner.feed(list(range(2000, 2000 + n)), keep=n)
+            times.append(time.perf_counter() - t)
+            runner.crop_to(cached)
+        out[f"verify {n}"] = statistics.median(times) * 1000
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--models", default="qwen2.5-coder-1.5b-instruct,qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--modes", default="int8,int4,w8a8", help="QuantMode values, or bf16")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--blocks", default="2,3,5,9", help="verify block sizes (K+1)")
+    args = ap.parse_args()
+    blocks = [int(b) for b in args.blocks.split(",")]
+    threads = [int(t) for t in args.threads.split(",")]
+    runners = {}
+    for model in args.models.split(","):
+        for mode in args.modes.split(","):
+            dtype, quant = ("bfloat16", QuantMode.NONE) if mode == "bf16" else ("float32", QuantMode(mode))
+            t0 = time.perf_counter()
+            lm = load_model(ModelSpec(model, quant, dtype=dtype, device="cpu"), "target")
+            print(f"loaded {model} {mode} in {time.perf_counter() - t0:.1f}s, {lm.info.weight_bytes / 2**30:.2f} GiB", flush=True)
+            runners[(model, mode)] = ModelRunner(lm.model, lm.device)
+    results: dict[tuple[str, str, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in range(args.rounds):
+        for (model, mode), runner in runners.items():
+            for th in threads:
+                torch.set_num_threads(th)
+                for key, value in measure(runner, args.tokens, blocks).items():
+                    results[(model, mode, th)][key].append(value)
+        print(f"round {r + 1}/{args.rounds} done", flush=True)
+    cols = ["step"] + [f"verify {n}" for n in blocks]
+    print("\n| model | mode | threads | step ms | tok/s | " + " | ".join(f"verify {n} / step" for n in blocks) + " |")
+    print("|---" * (5 + len(blocks)) + "|")
+    med = {k: {c: statistics.median(v[c]) for c in cols} for k, v in results.items()}
+    for (model, mode, th), m in med.items():
+        ratios = " | ".join(f"{m[f'verify {n}'] / m['step']:.2f}" for n in blocks)
+        print(f"| {model} | {mode} | {th} | {m['step']:.0f} | {1000 / m['step']:.1f} | {ratios} |")
+    models = args.models.split(",")
+    if len(models) == 2:
+        target, draft = models
+        print("\nc = draft step / target step (same thread count):")
+        for (model, mode_t, th) in med:
+            if model != target:
+                continue
+            row = ", ".join(
+                f"draft {mode_d}: {med[(draft, mode_d, th)]['step'] / med[(target, mode_t, th)]['step']:.2f}"
+                for (m2, mode_d, th2) in med
+                if m2 == draft and th2 == th
+            )
+            print(f"  target {mode_t}, {th} threads: {row}")
+
+
+if __name__ == "__main__":
+    main()
