@@ -116,7 +116,9 @@ class DecodeMetrics:
         self.drafted = 0
         self.accepted = 0
         self.spec_tokens = 0
-        self._reached: Counter[int] = Counter()  # position i (1-based) -> rounds with k >= i and accepted >= i-1
+        self._reached: Counter[int] = (
+            Counter()
+        )  # position i (1-based) -> rounds with k >= i and accepted >= i-1
         self._passed: Counter[int] = Counter()  # position i -> rounds with accepted >= i
         self._accepted_lengths: Counter[int] = Counter()
         # controller

@@ -84,7 +84,9 @@ def _torch_cuda() -> tuple[int, int, str | None] | None:
 class SystemProbe:
     """Takes `SystemSample`s. The first CPU reading after creation covers the time since then."""
 
-    def __init__(self, *, draft_device: str | None = None, target_device: str | None = None) -> None:
+    def __init__(
+        self, *, draft_device: str | None = None, target_device: str | None = None
+    ) -> None:
         self.draft_device = draft_device
         self.target_device = target_device
         self._process: Any = None
@@ -137,7 +139,9 @@ class SystemProbe:
         )
 
 
-def sample_system(*, draft_device: str | None = None, target_device: str | None = None) -> SystemSample:
+def sample_system(
+    *, draft_device: str | None = None, target_device: str | None = None
+) -> SystemSample:
     """One sample now (CPU figures cover a short 0.1 s window)."""
     probe = SystemProbe(draft_device=draft_device, target_device=target_device)
     time.sleep(0.1)

@@ -62,7 +62,9 @@ QUANTIZE_LM_HEAD = True  # post-load modes quantize the output projection unless
 
 BNB_BLOCK_SIZE = 64  # bitsandbytes 4-bit block of weights sharing one absmax
 _COMPUTE_DTYPE = torch.bfloat16  # activations of the int8 / int4 CPU kernels (fp32: 5-14x slower)
-W8A8_WEIGHT_MAX = 127
+W8A8_WEIGHT_MAX = (
+    63  # weights on a 7-bit grid so activations can keep 8 bits (docs/quantization.md)
+)
 _ROWS_PER_CHUNK = 8192  # quantize large weights (the lm_head) in slices to bound peak memory
 
 
@@ -163,10 +165,15 @@ class Int8DynamicLinear(nn.Module):
         q, scales = quantize_int8(linear.weight.detach(), W8A8_WEIGHT_MAX)
         scales64 = scales.double()
         zeros = torch.zeros(self.out_features, dtype=torch.long)
+        engine = torch.backends.quantized.engine
         with warnings.catch_warnings():  # quantized tensors are deprecated, still the way in
             warnings.simplefilter("ignore")
             qweight = torch._make_per_channel_quantized_tensor(q, scales64, zeros, 0)
-            self._packed = torch.ops.quantized.linear_prepack(qweight, None)
+            try:  # fbgemm's packing, not oneDNN's (2-3x slower at M = 1 here)
+                torch.backends.quantized.engine = "fbgemm"
+                self._packed = torch.ops.quantized.linear_prepack(qweight, None)
+            finally:
+                torch.backends.quantized.engine = engine
         # AVX2 adds pairs of u8 * s8 products in int16 with saturation: 8-bit activations
         # need weights within +-63, 8-bit weights need 7-bit activations (reduce_range).
         self.reduce_range = W8A8_WEIGHT_MAX > 63
@@ -502,8 +509,11 @@ class SharedInputGroup(nn.Module):
 
     def __init__(self, linears: list[nn.Linear]) -> None:
         super().__init__()
-        stacked = nn.Linear(linears[0].in_features, sum(m.out_features for m in linears), bias=False)
-        stacked.weight = nn.Parameter(torch.cat([m.weight.detach() for m in linears]), requires_grad=False)
+        rows = sum(m.out_features for m in linears)
+        stacked = nn.Linear(linears[0].in_features, rows, bias=False, device="meta")  # no init
+        stacked.weight = nn.Parameter(
+            torch.cat([m.weight.detach() for m in linears]), requires_grad=False
+        )
         self.linear = Int8DynamicLinear(stacked)
         self.sizes = [m.out_features for m in linears]
         for i, m in enumerate(linears):

@@ -352,9 +352,9 @@ DEMO_REPLIES: tuple[str, ...] = (
     "Here is a tiny example in Python:\n\n"
     "```python\n"
     "def greet(name):\n"
-    "    return f\"Hello, {name}!\"\n"
+    '    return f"Hello, {name}!"\n'
     "```\n\n"
-    "Call `greet(\"Zoë\")` and it returns a friendly greeting.",
+    'Call `greet("Zoë")` and it returns a friendly greeting.',
     "Early exit stops the target at an intermediate layer when it is already "
     "confident, so easy tokens cost less. It is lossy: the text may differ from "
     "what the full model would say, which is why the budget keeps agreement high.",
@@ -448,7 +448,11 @@ def synthesize_turn(
             remaining = len(toks) - i
             kk = max(1, min(cur_k, remaining - 1)) if remaining > 1 else 1
             n_acc = 0
-            while n_acc < kk and n_acc < remaining and rng.random() < accept[min(n_acc, len(accept) - 1)]:
+            while (
+                n_acc < kk
+                and n_acc < remaining
+                and rng.random() < accept[min(n_acc, len(accept) - 1)]
+            ):
                 n_acc += 1
             step = draft_step_ms if mode is Mode.SPEC else target_step_ms * self_spec_depth / layers
             draft_ms = jitter(step * kk)
@@ -470,8 +474,18 @@ def synthesize_turn(
                     p_t = round(rng.uniform(0.2, 0.9), 4)
                     p_d = round(rng.uniform(0.01, 0.2), 4)
                     events.append(
-                        TokenEvent(tid, tt, Provenance.CORRECTED, rnd, n_acc, p_t, p_d,
-                                   rejected_id=rid, rejected_text=rtext, t=t)
+                        TokenEvent(
+                            tid,
+                            tt,
+                            Provenance.CORRECTED,
+                            rnd,
+                            n_acc,
+                            p_t,
+                            p_d,
+                            rejected_id=rid,
+                            rejected_text=rtext,
+                            t=t,
+                        )
                     )
                 i += 1
             drafted += kk
@@ -481,9 +495,13 @@ def synthesize_turn(
             if fallback_at is not None and rnd == fallback_at and cur_k > 2:
                 next_k = cur_k // 2
                 rate = accepted_total / drafted if drafted else 0.0
-                reason = f"acceptance {rate:.2f} below 0.80 over {rnd + 1} rounds: K {cur_k} -> {next_k}"
+                reason = (
+                    f"acceptance {rate:.2f} below 0.80 over {rnd + 1} rounds: K {cur_k} -> {next_k}"
+                )
                 fallbacks.append(reason)
-            events.append(RoundEvent(rnd, mode, kk, n_acc, draft_ms, verify_ms, reason, mode, next_k))
+            events.append(
+                RoundEvent(rnd, mode, kk, n_acc, draft_ms, verify_ms, reason, mode, next_k)
+            )
             cur_k = next_k
         else:
             tid, tt = toks[i]
@@ -493,8 +511,18 @@ def synthesize_turn(
                 t += verify_ms / 1000.0
                 conf = round(rng.uniform(0.9, 0.995), 4)
                 events.append(
-                    TokenEvent(tid, tt, Provenance.EARLY_EXIT, rnd, None, round(rng.uniform(0.5, 0.99), 4),
-                               None, exit_layer=layer, confidence=conf, t=t)
+                    TokenEvent(
+                        tid,
+                        tt,
+                        Provenance.EARLY_EXIT,
+                        rnd,
+                        None,
+                        round(rng.uniform(0.5, 0.99), 4),
+                        None,
+                        exit_layer=layer,
+                        confidence=conf,
+                        t=t,
+                    )
                 )
                 early += 1
                 layer_sum += layer
@@ -502,7 +530,9 @@ def synthesize_turn(
                 verify_ms = jitter(target_step_ms)
                 t += verify_ms / 1000.0
                 events.append(
-                    TokenEvent(tid, tt, Provenance.TARGET, rnd, None, round(rng.uniform(0.3, 0.99), 4), t=t)
+                    TokenEvent(
+                        tid, tt, Provenance.TARGET, rnd, None, round(rng.uniform(0.3, 0.99), 4), t=t
+                    )
                 )
                 layer_sum += layers
             events.append(RoundEvent(rnd, mode, 0, 0, 0.0, verify_ms))
@@ -545,14 +575,34 @@ def _lossy(text: str) -> str:
 
 def demo_ready() -> Ready:
     target = ModelInfo(
-        "target", "demo-target-1.1B", "demo/target", "cpu", "float32", "none",
-        1_100_000_000, 4_400_000_000, 45_056, 22, 2048,
+        "target",
+        "demo-target-1.1B",
+        "demo/target",
+        "cpu",
+        "float32",
+        "none",
+        1_100_000_000,
+        4_400_000_000,
+        45_056,
+        22,
+        2048,
     )
     draft = ModelInfo(
-        "draft", "demo-draft-68M", "demo/draft", "cpu", "float32", "none",
-        68_000_000, 272_000_000, 6_144, 2, 2048,
+        "draft",
+        "demo-draft-68M",
+        "demo/draft",
+        "cpu",
+        "float32",
+        "none",
+        68_000_000,
+        272_000_000,
+        6_144,
+        2,
+        2048,
     )
-    return Ready("demo-target-1.1B + demo-draft-68M (synthetic trace)", target, draft, load_seconds=3.2)
+    return Ready(
+        "demo-target-1.1B + demo-draft-68M (synthetic trace)", target, draft, load_seconds=3.2
+    )
 
 
 def synthesize_trace(

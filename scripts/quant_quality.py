@@ -34,7 +34,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--reference", type=Path, help="keep the float32 reference in this file and reuse it")
+    ap.add_argument(
+        "--reference", type=Path, help="keep the float32 reference in this file and reuse it"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     chats = [json.loads(line)["messages"] for line in args.prompts.read_text().splitlines() if line]
@@ -46,9 +48,11 @@ def main() -> None:
         if args.reference:
             torch.save((seqs, starts, ref_logits), args.reference)
 
-    print(f"| mode | top-1 | chats identical | median rel. logit error |\n|---|---|---|---|")
+    print("| mode | top-1 | chats identical | median rel. logit error |\n|---|---|---|---|")
     for name in args.modes.split(","):
-        dtype, quant = ("bfloat16", QuantMode.NONE) if name == "bf16" else ("float32", QuantMode(name))
+        dtype, quant = (
+            ("bfloat16", QuantMode.NONE) if name == "bf16" else ("float32", QuantMode(name))
+        )
         lm = load_model(ModelSpec(args.model, quant, dtype=dtype, device="cpu"), "target")
         agree, identical, errors = 0, 0, []
         with torch.inference_mode():
@@ -59,7 +63,10 @@ def main() -> None:
                 identical += bool(same.all())
                 errors += ((got - want).norm(dim=-1) / want.norm(dim=-1)).tolist()
         total = len(seqs) * args.tokens
-        print(f"| {name} | {agree / total:.1%} | {identical}/{len(seqs)} | {statistics.median(errors):.3f} |", flush=True)
+        print(
+            f"| {name} | {agree / total:.1%} | {identical}/{len(seqs)} | {statistics.median(errors):.3f} |",
+            flush=True,
+        )
         del lm
 
 
@@ -70,7 +77,9 @@ def reference(model: str, chats: list, tokens: int) -> tuple[list, list, list]:
     t0 = time.perf_counter()
     with torch.inference_mode():
         for messages in chats:
-            ids = ref.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = ref.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True
+            )
             ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
             out = ref.model.generate(
                 torch.tensor([ids]), max_new_tokens=tokens, do_sample=False, min_new_tokens=tokens
@@ -80,7 +89,9 @@ def reference(model: str, chats: list, tokens: int) -> tuple[list, list, list]:
             seqs.append(seq)
             starts.append(len(ids))
             ref_logits.append(logits)
-    print(f"float32 reference: {len(chats)} prompts x {tokens} tokens in {time.perf_counter() - t0:.0f}s")
+    print(
+        f"float32 reference: {len(chats)} prompts x {tokens} tokens in {time.perf_counter() - t0:.0f}s"
+    )
     return seqs, starts, ref_logits
 
 

@@ -63,12 +63,19 @@ def main() -> None:
     runners = {}
     for model in args.models.split(","):
         for mode in args.modes.split(","):
-            dtype, quant = ("bfloat16", QuantMode.NONE) if mode == "bf16" else ("float32", QuantMode(mode))
+            dtype, quant = (
+                ("bfloat16", QuantMode.NONE) if mode == "bf16" else ("float32", QuantMode(mode))
+            )
             t0 = time.perf_counter()
             lm = load_model(ModelSpec(model, quant, dtype=dtype, device="cpu"), "target")
-            print(f"loaded {model} {mode} in {time.perf_counter() - t0:.1f}s, {lm.info.weight_bytes / 2**30:.2f} GiB", flush=True)
+            print(
+                f"loaded {model} {mode} in {time.perf_counter() - t0:.1f}s, {lm.info.weight_bytes / 2**30:.2f} GiB",
+                flush=True,
+            )
             runners[(model, mode)] = ModelRunner(lm.model, lm.device)
-    results: dict[tuple[str, str, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    results: dict[tuple[str, str, int], dict[str, list[float]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
     for r in range(args.rounds):
         for (model, mode), runner in runners.items():
             for th in threads:
@@ -77,7 +84,11 @@ def main() -> None:
                     results[(model, mode, th)][key].append(value)
         print(f"round {r + 1}/{args.rounds} done", flush=True)
     cols = ["step"] + [f"verify {n}" for n in blocks]
-    print("\n| model | mode | threads | step ms | tok/s | " + " | ".join(f"verify {n} / step" for n in blocks) + " |")
+    print(
+        "\n| model | mode | threads | step ms | tok/s | "
+        + " | ".join(f"verify {n} / step" for n in blocks)
+        + " |"
+    )
     print("|---" * (5 + len(blocks)) + "|")
     med = {k: {c: statistics.median(v[c]) for c in cols} for k, v in results.items()}
     for (model, mode, th), m in med.items():
@@ -87,7 +98,7 @@ def main() -> None:
     if len(models) == 2:
         target, draft = models
         print("\nc = draft step / target step (same thread count):")
-        for (model, mode_t, th) in med:
+        for model, mode_t, th in med:
             if model != target:
                 continue
             row = ", ".join(

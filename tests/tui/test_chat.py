@@ -108,7 +108,10 @@ async def test_tokens_appear_while_streaming_and_cancel_keeps_the_session() -> N
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await pilot.press(*"first", "enter")
-        await wait_until(pilot, lambda: gated.rounds_out >= 1 and bool(replies(app)) and bool(replies(app)[0].tokens))
+        await wait_until(
+            pilot,
+            lambda: gated.rounds_out >= 1 and bool(replies(app)) and bool(replies(app)[0].tokens),
+        )
         reply = replies(app)[0]
         n1 = len(reply.tokens)
         assert not reply.finished and reply.showing_tokens
@@ -256,8 +259,13 @@ async def test_panels_show_the_measured_values() -> None:
         assert "cpu0" in dev and "37.5%" in dev and "GPU" in dev and "n/a" in dev
         assert "512.0 MiB" in dev
         assert "draft" in dev and "target" in dev
-        gpu = dataclasses.replace(FIXED_SAMPLE, gpu_util_percent=42.0, gpu_mem_used_bytes=3 * 2**30,
-                                  gpu_mem_total_bytes=80 * 2**30, gpu_name="Fake H100")
+        gpu = dataclasses.replace(
+            FIXED_SAMPLE,
+            gpu_util_percent=42.0,
+            gpu_mem_used_bytes=3 * 2**30,
+            gpu_mem_total_bytes=80 * 2**30,
+            gpu_name="Fake H100",
+        )
         app.post_message(SystemSampled(gpu))
         await pilot.pause()
         dev = plain(devices.render(), width=80)
@@ -347,7 +355,10 @@ async def test_load_failure_is_a_message_not_a_traceback() -> None:
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         notes = list(app.query(Note))
-        assert any(n.level == "error" and "nope" in n.message and "specchat models" in n.hint for n in notes)
+        assert any(
+            n.level == "error" and "nope" in n.message and "specchat models" in n.hint
+            for n in notes
+        )
         await pilot.press(*"hello", "enter")
         await pilot.pause()
         assert app.query_one(PromptInput).value == "hello"  # not cleared
@@ -359,7 +370,9 @@ async def test_load_failure_is_a_message_not_a_traceback() -> None:
     app = SpecChatApp(broken, sample_system=False)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
-        assert any("Loading failed unexpectedly: ZeroDivisionError" in n.message for n in app.query(Note))
+        assert any(
+            "Loading failed unexpectedly: ZeroDivisionError" in n.message for n in app.query(Note)
+        )
 
 
 async def test_load_progress_paints_before_the_model_is_ready() -> None:

@@ -41,8 +41,15 @@ def test_values_apply_and_bad_ones_fall_back(tmp_path: Path) -> None:
     )
     store = SettingsStore(path)
     s = store.load()
-    assert (s.theme, s.view, s.panels, s.target) == ("specchat-light", "tokens", ("devices", "latency"), "my/target")
-    assert s.decode == DecodeConfig(mode=Mode.EARLY_EXIT, k=3, temperature=0.7, top_p=0.9, exit_budget=0.9, seed=7)
+    assert (s.theme, s.view, s.panels, s.target) == (
+        "specchat-light",
+        "tokens",
+        ("devices", "latency"),
+        "my/target",
+    )
+    assert s.decode == DecodeConfig(
+        mode=Mode.EARLY_EXIT, k=3, temperature=0.7, top_p=0.9, exit_budget=0.9, seed=7
+    )
     assert any("max_new_tokens" in p for p in store.problems)
     assert any("colour" in p for p in store.problems)
     assert not store.corrupt
@@ -77,7 +84,9 @@ def test_save_merges_and_keeps_other_keys(tmp_path: Path) -> None:
 def test_flags_override_the_file(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
     path.write_text('[decode]\nmode = "plain"\ntemperature = 0.5\n')
-    args = build_parser().parse_args(["chat", "--config", str(path), "--mode", "spec", "--replay", __file__])
+    args = build_parser().parse_args(
+        ["chat", "--config", str(path), "--mode", "spec", "--replay", __file__]
+    )
     app = chat.build_app(args)
     assert not isinstance(app, int)
     assert app.state.decode.mode is Mode.SPEC  # the flag

@@ -64,11 +64,15 @@ def test_devices_and_early_exit_panels(snap_compare: Any) -> None:
 
 def test_light_theme(snap_compare: Any) -> None:
     assert snap_compare(
-        make_app(theme="specchat-light"), terminal_size=(120, 36), run_before=_spec_reply_in_tokens_view
+        make_app(theme="specchat-light"),
+        terminal_size=(120, 36),
+        run_before=_spec_reply_in_tokens_view,
     )
 
 
 def test_okabe_ito_theme(snap_compare: Any) -> None:
     assert snap_compare(
-        make_app(theme="specchat-okabe-ito"), terminal_size=(120, 36), run_before=_spec_reply_in_tokens_view
+        make_app(theme="specchat-okabe-ito"),
+        terminal_size=(120, 36),
+        run_before=_spec_reply_in_tokens_view,
     )

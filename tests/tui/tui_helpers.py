@@ -81,10 +81,14 @@ class GatedSession:
                     if cancel is not None and cancel.is_set():
                         break
 
-    def stream(self, prompt: str, config: DecodeConfig, cancel: threading.Event | None = None) -> Iterator[Any]:
+    def stream(
+        self, prompt: str, config: DecodeConfig, cancel: threading.Event | None = None
+    ) -> Iterator[Any]:
         return self._gated(self.inner.stream(prompt, config, cancel), cancel)
 
-    def regenerate(self, config: DecodeConfig, cancel: threading.Event | None = None) -> Iterator[Any]:
+    def regenerate(
+        self, config: DecodeConfig, cancel: threading.Event | None = None
+    ) -> Iterator[Any]:
         return self._gated(self.inner.regenerate(config, cancel), cancel)
 
     def reset(self) -> None:
@@ -102,14 +106,18 @@ class ExplodingSession:
         self.ready = ReplaySession(TRACE).ready
         self.calls = 0
 
-    def stream(self, prompt: str, config: DecodeConfig, cancel: threading.Event | None = None) -> Iterator[Any]:
+    def stream(
+        self, prompt: str, config: DecodeConfig, cancel: threading.Event | None = None
+    ) -> Iterator[Any]:
         self.calls += 1
         yield TurnStarted(1, 5, 5, config.mode)
         yield TokenEvent(1, "Hel", Provenance.TARGET, 0, t=1.0)
         yield RoundEvent(0, config.mode, 0, 0, 0.0, 5.0)
         raise RuntimeError("tensor on fire")
 
-    def regenerate(self, config: DecodeConfig, cancel: threading.Event | None = None) -> Iterator[Any]:
+    def regenerate(
+        self, config: DecodeConfig, cancel: threading.Event | None = None
+    ) -> Iterator[Any]:
         return self.stream("", config, cancel)
 
     def reset(self) -> None:

@@ -22,8 +22,17 @@ from specchat.engine.metrics import DecodeMetrics, expected_speedup, percentile
 from specchat.engine.replay import ReplaySession, synthesize_trace, synthesize_turn
 
 
-def spec_round(m: DecodeMetrics, rnd: int, k: int, accepted: int, t: float, *, draft_ms: float = 8.0,
-               verify_ms: float = 20.0, reason: str | None = None) -> None:
+def spec_round(
+    m: DecodeMetrics,
+    rnd: int,
+    k: int,
+    accepted: int,
+    t: float,
+    *,
+    draft_ms: float = 8.0,
+    verify_ms: float = 20.0,
+    reason: str | None = None,
+) -> None:
     """Feed one speculative round: `accepted` drafts, then a corrected or bonus token."""
     for pos in range(accepted):
         m.observe(TokenEvent(100 + pos, "a", Provenance.ACCEPTED, rnd, pos, 0.9, 0.8, t=t))
@@ -120,8 +129,11 @@ def test_early_exit_statistics() -> None:
         if layer is None:
             m.observe(TokenEvent(i, "x", Provenance.TARGET, i, t=1.0 + i))
         else:
-            m.observe(TokenEvent(i, "x", Provenance.EARLY_EXIT, i, exit_layer=layer, confidence=0.9,
-                                 t=1.0 + i))
+            m.observe(
+                TokenEvent(
+                    i, "x", Provenance.EARLY_EXIT, i, exit_layer=layer, confidence=0.9, t=1.0 + i
+                )
+            )
         m.observe(RoundEvent(i, Mode.EARLY_EXIT, 0, 0, 0.0, 10.0))
     assert m.exit_rate == pytest.approx(3 / 5)
     assert m.exit_layer_histogram() == {4: 2, 6: 1}

@@ -125,7 +125,11 @@ def test_gpu_through_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", _FakeNvml())
     monkeypatch.setattr(probes, "_NVML", probes._Nvml())
     s = probes.SystemProbe().sample()
-    assert (s.gpu_util_percent, s.gpu_mem_used_bytes, s.gpu_mem_total_bytes) == (42.0, 3 * 2**30, 80 * 2**30)
+    assert (s.gpu_util_percent, s.gpu_mem_used_bytes, s.gpu_mem_total_bytes) == (
+        42.0,
+        3 * 2**30,
+        80 * 2**30,
+    )
     assert s.gpu_name == "Fake H100"
 
 
@@ -151,4 +155,8 @@ def test_gpu_through_an_already_imported_torch(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setitem(sys.modules, "torch", FakeTorch())
     s = probes.SystemProbe().sample()
     assert s.gpu_util_percent is None  # torch.cuda does not report utilisation
-    assert (s.gpu_mem_used_bytes, s.gpu_mem_total_bytes, s.gpu_name) == (2 * 2**30, 8 * 2**30, "Fake GPU")
+    assert (s.gpu_mem_used_bytes, s.gpu_mem_total_bytes, s.gpu_name) == (
+        2 * 2**30,
+        8 * 2**30,
+        "Fake GPU",
+    )

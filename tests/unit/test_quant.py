@@ -2,7 +2,7 @@
 
 Tolerances are relative logit errors, ||logits_q - logits_float|| / ||logits_float||,
 over a prompt plus six greedy tokens. On this model (seed 0, weights N(0, 0.1))
-they measure: int8 0.018, int4 (group 32) 0.20, bnb-int8 0.026, bnb-nf4 0.22, w8a8 0.033.
+they measure: int8 0.018, int4 (group 32) 0.20, bnb-int8 0.026, bnb-nf4 0.22, w8a8 0.039.
 Each bound below leaves a margin of about 1.6x; a packing or scale mistake
 gives errors of order 1.
 """
@@ -29,7 +29,7 @@ TOLERANCE = {
     QuantMode.INT4: 0.32,
     QuantMode.BNB_INT8: 0.04,
     QuantMode.BNB_NF4: 0.35,
-    QuantMode.W8A8: 0.053,
+    QuantMode.W8A8: 0.063,
 }
 PROMPT = [[1, 17, 42, 99, 7, 123]]
 NEW_TOKENS = 6
@@ -138,10 +138,10 @@ def test_quantized_linears_are_batch_invariant(mode: QuantMode) -> None:
 def test_w8a8_per_token_activation_error_bound() -> None:
     """Activations are quantized per token: a row of small values keeps its precision next
     to a row with an outlier (one scale for the block would round it all to zero).
-    Measured: 0.011 and 0.004 relative error per row."""
+    Measured: 0.012 and 0.008 relative error per row."""
     torch.manual_seed(3)
     linear = nn.Linear(256, 64, bias=False)
-    q, scales = quant.quantize_int8(linear.weight.detach())
+    q, scales = quant.quantize_int8(linear.weight.detach(), quant.W8A8_WEIGHT_MAX)
     weight = q.float() * scales.float()[:, None]  # what the kernel multiplies by
     layer = quant.apply(nn.Sequential(linear), QuantMode.W8A8)
     x = torch.randn(2, 256)
@@ -322,3 +322,24 @@ def test_w8a8_fuses_llama_projections(float_dir: Path) -> None:
     assert isinstance(q, quant.SharedInputMember) and q.group is k.group is v.group
     assert layer.mlp.gate_proj.group is layer.mlp.up_proj.group
     assert isinstance(layer.mlp.down_proj, quant.Int8DynamicLinear)
+
+
+def test_w8a8_never_saturates_avx2_pair_sums(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worst case for AVX2's int16 pair sums: every activation code 255, every weight at the
+    grid's edge. With weights within +-63 the result is right; 8-bit weights with 8-bit
+    activations (the combination W8A8_WEIGHT_MAX rules out) would saturate."""
+    linear = nn.Linear(256, 16, bias=False)
+    with torch.no_grad():
+        linear.weight.fill_(0.5)
+    x = torch.full((1, 256), 3.0)
+    x[0, 0] = -1.0  # u = 1 (code 255) everywhere else
+    want = float(x.sum() * 0.5)
+    layer = quant.Int8DynamicLinear(linear)
+    with torch.no_grad():
+        got = layer(x)
+    assert torch.allclose(got, torch.full_like(got, want), rtol=0.01)
+    monkeypatch.setattr(quant, "W8A8_WEIGHT_MAX", 127)
+    wide = quant.Int8DynamicLinear(linear)
+    wide.reduce_range = False
+    with torch.no_grad():
+        assert not torch.allclose(wide(x), torch.full_like(got, want), rtol=0.01)

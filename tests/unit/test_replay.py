@@ -79,9 +79,12 @@ def test_synthetic_spec_turn_is_realistic() -> None:
 
 
 def test_synthetic_early_exit_turn() -> None:
-    events = synthesize_turn("one two three four five six seven eight nine ten " * 3,
-                             mode=Mode.EARLY_EXIT, seed=2)
-    exits = [e for e in events if isinstance(e, TokenEvent) and e.provenance is Provenance.EARLY_EXIT]
+    events = synthesize_turn(
+        "one two three four five six seven eight nine ten " * 3, mode=Mode.EARLY_EXIT, seed=2
+    )
+    exits = [
+        e for e in events if isinstance(e, TokenEvent) and e.provenance is Provenance.EARLY_EXIT
+    ]
     assert exits
     assert all(e.exit_layer in (4, 6, 8) and 0.9 <= (e.confidence or 0) <= 1.0 for e in exits)
     assert isinstance(events[-1], TurnFinished) and events[-1].stats.early_exits == len(exits)

@@ -153,7 +153,10 @@ def test_sampled_speculative_follows_the_target_distribution() -> None:
     assert chisquare(counts[support], exp).pvalue > 1e-3
 
 
-@pytest.mark.parametrize(("target_quant", "draft_quant"), [("int8", "int4"), ("int4", "int8"), ("w8a8", "w8a8"), ("w8a8", "int4")])
+@pytest.mark.parametrize(
+    ("target_quant", "draft_quant"),
+    [("int8", "int4"), ("int4", "int8"), ("w8a8", "w8a8"), ("w8a8", "int4")],
+)
 def test_greedy_spec_with_quantized_models_equals_plain_of_the_same_target(
     target_quant: str, draft_quant: str
 ) -> None:
