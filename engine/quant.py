@@ -487,7 +487,7 @@ SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def _shared_input_groups(model: nn.Module) -> list[tuple[nn.Module, tuple[str, ...]]]:
-    found = []
+    found: list[tuple[nn.Module, tuple[str, ...]]] = []
     for parent in model.modules():
         for attrs in SHARED_INPUT_GROUPS:
             linears = [getattr(parent, a, None) for a in attrs]
