@@ -513,6 +513,167 @@ def test_load_configs_names_the_config_that_did_not_load() -> None:
     assert set(one.load) == {"seconds", "rss_before_bytes", "rss_after_bytes"}
 
 
+# -- the command, on tiny models ---------------------------------------------------------
+
+
+def prompt_file(tmp_path: Path) -> Path:
+    line = {"id": "p0", "kind": "story", "messages": [{"role": "user", "content": "Once upon"}]}
+    return write(tmp_path, [json.dumps(line)])
+
+
+@pytest.fixture
+def fake_load(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
+    """ChatSession.load answers with tiny models and records (target quant, draft quant, dtype);
+    a target quant of bnb-int8 fails to load, as a model too big for memory would."""
+    calls: list[tuple[str, str, str]] = []
+
+    def load(target: Any, draft: Any, **kw: object) -> ChatSession:
+        calls.append((str(target.quant), str(draft.quant), target.dtype))
+        if target.quant == "bnb-int8":
+            raise MemoryError("out of memory")
+        return tiny_session(len(calls))
+
+    monkeypatch.setattr(ChatSession, "load", load)
+    return calls
+
+
+def test_bench_command_with_configs(
+    tmp_path: Path, fake_load: list[tuple[str, str, str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from specchat.tui.cli import main
+
+    out = tmp_path / "out"
+    argv = ["bench", "--prompts", str(prompt_file(tmp_path)), "--modes", "plain,spec"]
+    argv += ["--configs", "none:bfloat16,int8/int4", "--baseline-config", "int8/int4:auto"]
+    argv += ["--reference", "plain@none:bfloat16", "--max-new-tokens", "4", "--repeats", "1"]
+    argv += ["--out", str(out), "--no-plots", "--no-warmup"]
+    assert main(argv) == 0
+    assert fake_load == [("none", "none", "bfloat16"), ("int8", "int4", "auto")]
+    data = json.loads((out / "result.json").read_text(encoding="utf-8"))
+    assert data["arms"] == [
+        "plain@none:bfloat16",
+        "spec@none:bfloat16",
+        "plain@int8/int4",
+        "spec@int8/int4",
+        "hf-generate@int8/int4",
+        "hf-assisted@int8/int4",
+    ]
+    assert data["reference"] == "plain@none:bfloat16"
+    assert [c["spec"]["draft_quant"] for c in data["configs"]] == ["none", "int4"]
+    assert all(c["load"]["seconds"] >= 0 for c in data["configs"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "spec@int8/int4" in text and "×ref: against plain@none:bfloat16" in text
+    assert "KV KB/tok" in text  # the per-config table
+    assert main(["bench", "--show", str(out / "result.json")]) == 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--configs", "int8,int9"], "bad config 'int9': unknown target quantization"),
+        (["--configs", "int8", "--target-quant", "int4"], "--configs sets the quantizations"),
+        (["--baseline-config", "int8"], "--baseline-config needs --configs"),
+        (["--configs", "int8,int4", "--baseline-config", "w8a8"], "'w8a8' is not one of"),
+        (["--configs", "int8,int4", "--reference", "spec@w8a8"], "'spec@w8a8' is not in this"),
+        (["--reference", "hf-generate", "--no-baseline"], "'hf-generate' is not in this run"),
+    ],
+)
+def test_bench_command_refuses_bad_config_flags_before_loading(
+    tmp_path: Path,
+    fake_load: list[tuple[str, str, str]],
+    capsys: pytest.CaptureFixture[str],
+    flags: list[str],
+    needle: str,
+) -> None:
+    from specchat.tui.cli import main
+
+    assert main(["bench", "--prompts", str(prompt_file(tmp_path)), *flags]) == 2
+    assert needle in capsys.readouterr().err
+    assert fake_load == []
+
+
+def test_bench_command_names_the_config_that_did_not_load(
+    tmp_path: Path, fake_load: list[tuple[str, str, str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from specchat.tui.cli import main
+
+    argv = ["bench", "--prompts", str(prompt_file(tmp_path)), "--configs", "none,bnb-int8"]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "config 'bnb-int8' did not load: MemoryError: out of memory" in err
+    assert "none stayed loaded" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def legacy_result() -> dict[str, Any]:
+    """A one-config result.json as written before there were configs and a reference."""
+    plain = [record("plain", b, tps, [1, 2, 3]) for b, tps in enumerate([10.0, 12.0])]
+    spec = [
+        record("spec", b, tps, [1, 2, 3], rounds=[(3, 2)]) for b, tps in enumerate([15.0, 18.0])
+    ]
+    hf = [record("hf-generate", b, 10.0, [1, 2, 3]) for b in range(2)]
+    result = BenchResult(
+        config={
+            "arms": ["plain", "spec", "hf-generate"],
+            "prompts": [{"id": "p0"}, {"id": "p1"}],
+            "repeats": 1,
+            "seed": 0,
+            "decode": {"max_new_tokens": 3, "temperature": 0.0},
+            "cache_policy": "fresh",
+        },
+        environment={"device": "cpu", "torch_threads": 1, "torch": "2", "transformers": "5"},
+        models={
+            "target": {"name": "t", "dtype": "float32", "quant": "int8"},
+            "draft": {"name": "d", "dtype": "float32", "quant": "int4"},
+        },
+        arms=["plain", "spec", "hf-generate"],
+        load_start={"loadavg": [1.0, 1.0, 1.0], "cpu_percent": 50.0},
+        load_end={"loadavg": None, "cpu_percent": None},
+        records=plain + spec + hf,
+        warmup=[],
+        unavailable={},
+        seconds=3.0,
+    )
+    summarize(result)
+    data = result.to_dict()
+    del data["configs"], data["reference"]
+    for f in [
+        *data["summary"].values(),
+        *(a for k in data["by_kind"].values() for a in k.values()),
+    ]:
+        del f["speedup_vs_reference"], f["mode"], f["config"]
+    for r in data["runs"]:
+        del r["config"]
+    return data
+
+
+def test_show_prints_a_result_from_before_configs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from specchat.tui.cli import main
+
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(legacy_result()), encoding="utf-8")
+    assert main(["bench", "--show", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "target t (float32, int8), draft d (float32, int4)" in text
+    spec_row = next(line for line in text.splitlines() if line.strip().startswith("spec "))
+    assert "1.50x" in spec_row  # ×plain
+    assert "×ref" not in text and "configs" not in text
+
+
+def test_plots_of_several_configs_and_of_an_earlier_result(tmp_path: Path) -> None:
+    from specchat.engine.bench_plots import write_plots
+
+    configs = [BenchConfig("a", tiny_session(0)), BenchConfig("b", tiny_session(1))]
+    result = run_bench(configs, TINY_PROMPTS[:1], arms=["plain", "spec"], max_new_tokens=4)
+    for data, name in ((result.to_dict(), "new"), (legacy_result(), "old")):
+        files = write_plots(data, tmp_path / name)
+        assert len(files) == 8
+        assert all(f.stat().st_size > 0 for f in files)
+
+
 # -- A/B helpers -------------------------------------------------------------------------
 
 
