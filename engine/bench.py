@@ -87,7 +87,7 @@ from .bench_stats import (
     spread,
 )
 from .config import DecodeConfig, Mode
-from .errors import EngineError
+from .errors import EngineError, OutOfMemoryError
 from .events import to_dict
 from .metrics import percentile
 
@@ -238,8 +238,9 @@ def load_configs(
     """Load every config with `load`, one after the other; all stay loaded for the run.
 
     RSS before and after each load is recorded (`BenchConfig.load`). A config
-    that fails to load raises `ConfigLoadError` naming it, with the reason, and
-    no later config is tried.
+    that fails to load raises `ConfigLoadError` naming it, with the reason (and,
+    when memory ran short, which configs were held meanwhile); no later config
+    is tried.
     """
     out: list[BenchConfig] = []
     for spec in specs:
@@ -256,7 +257,10 @@ def load_configs(
                     ": "
                 )
                 hint = ""
-            if out:
+            short_of_memory = isinstance(exc, MemoryError | OutOfMemoryError) or (
+                "memory" in str(exc).lower()
+            )
+            if out and short_of_memory:
                 held = ", ".join(c.label for c in out)
                 hint = (hint + "; " if hint else "") + (
                     f"{held} stayed loaded while it loaded (every config of a run is held "

@@ -45,7 +45,7 @@ from specchat.engine.bench_stats import (
     total_variation,
 )
 from specchat.engine.config import Mode
-from specchat.engine.errors import OutOfMemoryError
+from specchat.engine.errors import OutOfMemoryError, QuantizationError
 from specchat.engine.events import Provenance, RoundEvent, TokenEvent
 from specchat.engine.loading import layer_truncated
 from specchat.engine.metrics import DecodeMetrics
@@ -508,6 +508,16 @@ def test_load_configs_names_the_config_that_did_not_load() -> None:
         load_configs(specs, refuse)
     assert exc.value.message == "config 'none' did not load: the target needs 9 GB, 2 GB free"
     assert exc.value.hint == "try --target-quant int4"
+
+    def unsupported(spec: Any) -> ChatSession:
+        if spec.label == "none":
+            return session
+        raise QuantizationError("int8 needs in_features divisible by 8", hint="use none")
+
+    with pytest.raises(ConfigLoadError) as exc:
+        load_configs(specs, unsupported)
+    assert exc.value.message.startswith("config 'int8/int4' did not load: int8 needs")
+    assert exc.value.hint == "use none"  # not a memory question: no word on held configs
     (one,) = load_configs(specs[:1], lambda spec: session)
     assert (one.label, one.session, one.spec) == ("none", session, specs[0])
     assert set(one.load) == {"seconds", "rss_before_bytes", "rss_after_bytes"}
