@@ -1,19 +1,24 @@
-"""Headless benchmark: the decoding modes of one ChatSession side by side with
-the transformers baselines, interleaved, with medians and within-run ratios.
+"""Headless benchmark: the decoding modes of one or more ChatSessions side by side
+with the transformers baselines, interleaved, with medians and within-run ratios.
 
     session = ChatSession.load(target_spec, draft_spec)
     prompts = load_prompts("prompts.jsonl")
     result = run_bench(session, prompts, arms=["plain", "spec"], max_new_tokens=64)
     result.write_json("bench/result.json")
 
+Several model configurations (quantization, dtype) in one run: one loaded
+session each, passed as `BenchConfig`s; `load_configs` loads them one after
+the other and names the one that fails.
+
 Method:
 
 - Arms are the session's modes (`plain`, `spec`, `self-spec`, `early-exit`)
-  and, as the peer column, transformers' own `model.generate` on the very
-  model objects the session holds: `hf-generate` (plain greedy) and
-  `hf-assisted` (`assistant_model=` the session's draft, HF defaults for the
-  number of assistant tokens). Same prompt ids, same `max_new_tokens`, same
-  end-of-sequence ids; only new tokens are counted.
+  on every config and, as the peer column, transformers' own
+  `model.generate` on the very model objects one config's session holds:
+  `hf-generate` (plain greedy) and `hf-assisted` (`assistant_model=` the
+  session's draft, HF defaults for the number of assistant tokens). Same
+  prompt ids, same `max_new_tokens`, same end-of-sequence ids; only new
+  tokens are counted. With several configs an arm is labelled `mode@config`.
 - After a warm-up (one short run of every arm, which also finds the modes
   this build cannot run), the timed runs go in blocks: one block per
   (repeat, prompt), every arm once in each block. The arm order rotates from
@@ -23,7 +28,9 @@ Method:
   prompt (prior turns included) is prefilled each time, for every arm. No
   prefix is reused across runs.
 - Speed ratios are paired: arm / reference within the same block, then the
-  median over blocks. Medians, minima and maxima are reported, with the
+  median over blocks. The reference is `hf-generate` when it runs, else the
+  first arm, unless the caller names one; `×plain` is against the plain arm
+  of the same config. Medians, minima and maxima are reported, with the
   machine's load at the start and the end of the run.
 
 Per-token latency: the gap between one emission and the previous one,
@@ -54,7 +61,10 @@ from .bench_runs import (
     HF_ASSISTED,
     HF_GENERATE,
     SESSION_ARMS,
+    Arm,
     BenchPrompt,
+    ConfigSpec,
+    ConfigSpecError,
     Memory,
     PromptFileError,
     RunRecord,
@@ -62,6 +72,9 @@ from .bench_runs import (
     hf_assistant_settings,
     hf_generation_config,
     load_prompts,
+    make_arms,
+    parse_config_spec,
+    parse_config_specs,
     run_hf_arm,
     run_session_arm,
 )
@@ -74,6 +87,7 @@ from .bench_stats import (
     spread,
 )
 from .config import DecodeConfig, Mode
+from .errors import EngineError, OutOfMemoryError
 from .events import to_dict
 from .metrics import percentile
 
@@ -91,12 +105,20 @@ __all__ = [
     "HF_ASSISTED",
     "HF_GENERATE",
     "SESSION_ARMS",
+    "Arm",
+    "BenchConfig",
     "BenchProgress",
     "BenchPrompt",
     "BenchResult",
+    "ConfigLoadError",
+    "ConfigSpec",
+    "ConfigSpecError",
     "PromptFileError",
     "RunRecord",
+    "load_configs",
     "load_prompts",
+    "parse_config_spec",
+    "parse_config_specs",
     "run_bench",
     "summarize",
 ]
@@ -181,11 +203,113 @@ def model_record(session: ChatSession) -> dict[str, Any]:
     return out
 
 
+# -- model configurations ------------------------------------------------------------
+
+
+class ConfigLoadError(EngineError):
+    """One configuration of a multi-config benchmark could not be loaded."""
+
+
+@dataclass(slots=True)
+class BenchConfig:
+    """One loaded model configuration under test: its label and its session."""
+
+    label: str
+    session: ChatSession
+    spec: ConfigSpec | None = None
+    load: dict[str, Any] = field(default_factory=dict)  # seconds, RSS before and after loading
+
+
+def session_label(session: ChatSession) -> str:
+    """A config label read from what was loaded: `int8/int4:float32`."""
+    t, d = session.target.info, session.draft.info if session.draft else None
+    return f"{t.quant}/{d.quant}:{t.dtype}" if d else f"{t.quant}:{t.dtype}"
+
+
+def _rss_bytes() -> int | None:
+    if psutil is None:
+        return None
+    return int(psutil.Process(os.getpid()).memory_info().rss)
+
+
+def load_configs(
+    specs: Sequence[ConfigSpec], load: Callable[[ConfigSpec], ChatSession]
+) -> list[BenchConfig]:
+    """Load every config with `load`, one after the other; all stay loaded for the run.
+
+    RSS before and after each load is recorded (`BenchConfig.load`). A config
+    that fails to load raises `ConfigLoadError` naming it, with the reason (and,
+    when memory ran short, which configs were held meanwhile); no later config
+    is tried.
+    """
+    out: list[BenchConfig] = []
+    for spec in specs:
+        before = _rss_bytes()
+        t0 = time.perf_counter()
+        try:
+            session = load(spec)
+        except (EngineError, MemoryError, RuntimeError, OSError, ValueError) as exc:
+            if isinstance(exc, EngineError):
+                reason, hint = exc.message, exc.hint
+            else:
+                text = str(exc).strip()
+                reason = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(
+                    ": "
+                )
+                hint = ""
+            short_of_memory = isinstance(exc, MemoryError | OutOfMemoryError) or (
+                "memory" in str(exc).lower()
+            )
+            if out and short_of_memory:
+                held = ", ".join(c.label for c in out)
+                hint = (hint + "; " if hint else "") + (
+                    f"{held} stayed loaded while it loaded (every config of a run is held "
+                    "at once): benchmark fewer or smaller configs per run"
+                )
+            raise ConfigLoadError(f"config {spec.label!r} did not load: {reason}", hint) from exc
+        after = _rss_bytes()
+        out.append(
+            BenchConfig(
+                spec.label,
+                session,
+                spec,
+                {
+                    "seconds": time.perf_counter() - t0,
+                    "rss_before_bytes": before,
+                    "rss_after_bytes": after,
+                },
+            )
+        )
+    return out
+
+
+def config_record(bc: BenchConfig) -> dict[str, Any]:
+    """What a config is and what its models hold in memory (runs' RSS added by summarize)."""
+    t, d = bc.session.target.info, bc.session.draft.info if bc.session.draft else None
+    before, after = bc.load.get("rss_before_bytes"), bc.load.get("rss_after_bytes")
+    return {
+        "label": bc.label,
+        "spec": asdict(bc.spec) if bc.spec is not None else None,
+        "models": model_record(bc.session),
+        "memory": {
+            "target_weight_bytes": t.weight_bytes,
+            "target_kv_bytes_per_token": t.kv_bytes_per_token,
+            "draft_weight_bytes": d.weight_bytes if d else None,
+            "draft_kv_bytes_per_token": d.kv_bytes_per_token if d else None,
+            "load_rss_delta_bytes": after - before
+            if after is not None and before is not None
+            else None,
+            "peak_rss_bytes": None,
+        },
+        "load": bc.load,
+    }
+
+
 @dataclass(slots=True)
 class BenchResult:
     config: dict[str, Any]
     environment: dict[str, Any]
-    models: dict[str, Any]
+    models: dict[str, Any]  # the first config's models (the only ones in a one-config run)
     arms: list[str]
     load_start: dict[str, Any]
     load_end: dict[str, Any]
@@ -195,13 +319,17 @@ class BenchResult:
     seconds: float
     summary: dict[str, dict[str, Any]] = field(default_factory=dict)
     by_kind: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    configs: list[dict[str, Any]] = field(default_factory=list)  # config_record per config
+    reference: str | None = None  # the arm speed ratios are taken against
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "config": self.config,
             "environment": self.environment,
             "models": self.models,
+            "configs": self.configs,
             "arms": self.arms,
+            "reference": self.reference,
             "noise": {"load_start": self.load_start, "load_end": self.load_end},
             "unavailable": self.unavailable,
             "seconds": self.seconds,
@@ -218,12 +346,19 @@ class BenchResult:
         return path
 
 
+def default_reference(arms: Sequence[Arm]) -> str:
+    """`hf-generate` when it runs, else the first arm."""
+    return next((a.label for a in arms if a.mode == HF_GENERATE), arms[0].label)
+
+
 def run_bench(
-    session: ChatSession,
+    session: ChatSession | Sequence[BenchConfig],
     prompts: Sequence[BenchPrompt],
     *,
     arms: Sequence[str] = ("plain", "spec"),
     baselines: bool = True,
+    baseline_config: str | None = None,
+    reference: str | None = None,
     config: DecodeConfig | None = None,
     max_new_tokens: int | None = None,
     repeats: int = 1,
@@ -235,16 +370,45 @@ def run_bench(
 ) -> BenchResult:
     """Benchmark `arms` (session modes) and, with `baselines`, transformers' generate.
 
+    `session` is one ChatSession or several `BenchConfig`s: every mode runs on
+    every config, the baselines on the config labelled `baseline_config` (default:
+    the first). With several configs the arms are labelled `mode@config`.
+    `reference` (an arm label) is what `speedup_vs_reference` divides by;
+    default `hf-generate`, else the first arm.
     `config` gives the decoding settings (its mode is replaced per arm);
     `max_new_tokens` overrides its length. Seeds: run (repeat r, prompt i)
     uses seed + 1000 r + i in every arm, so sampled runs are paired too.
     """
-    arms = list(dict.fromkeys(arms))
-    for a in arms:
+    configs = (
+        list(session)
+        if isinstance(session, Sequence)
+        else [BenchConfig(session_label(session), session)]
+    )
+    if not configs:
+        raise ValueError("no configs")
+    labels = [c.label for c in configs]
+    if len(set(labels)) != len(labels) or any("@" in c or not c for c in labels):
+        raise ValueError(f"config labels must be distinct, non-empty and free of '@': {labels}")
+    by_config = dict(zip(labels, configs, strict=True))
+    modes = list(dict.fromkeys(arms))
+    for a in modes:
         if a not in SESSION_ARMS and a not in BASELINES:
             raise ValueError(f"unknown arm {a!r}; choose from {SESSION_ARMS + BASELINES}")
+    base = [a for a in modes if a in BASELINES]
     if baselines:
-        arms += [b for b in BASELINES if b not in arms]
+        base += [b for b in BASELINES if b not in base]
+    if baseline_config is None:
+        baseline_config = labels[0]
+    elif baseline_config not in by_config:
+        raise ValueError(f"baseline config {baseline_config!r} is not one of {labels}")
+    plan = make_arms(labels, [a for a in modes if a in SESSION_ARMS], base, baseline_config)
+    if not plan:
+        raise ValueError("no arms to run")
+    arm_of = {a.label: a for a in plan}
+    if reference is None:
+        reference = default_reference(plan)
+    elif reference not in arm_of:
+        raise ValueError(f"reference {reference!r} is not an arm of this run: {list(arm_of)}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if not prompts:
@@ -253,20 +417,24 @@ def run_bench(
     if max_new_tokens is not None:
         cfg = cfg.with_(max_new_tokens=max_new_tokens)
     cfg = cfg.with_(stop=())
-    original_system = session.system_prompt
-    memory = Memory(session.target.device)
+    original_system = {c.label: c.session.system_prompt for c in configs}
+    memory = {c.label: Memory(c.session.target.device) for c in configs}
     t_begin = time.perf_counter()
     load_start = machine_load()
 
-    def one(arm: str, p: BenchPrompt, run_cfg: DecodeConfig, rec: RunRecord, s: int) -> RunRecord:
-        fresh_conversation(session, p, original_system)
+    def one(arm: Arm, p: BenchPrompt, run_cfg: DecodeConfig, rec: RunRecord, s: int) -> RunRecord:
+        ses = by_config[arm.config].session
+        fresh_conversation(ses, p, original_system[arm.config])
         run_cfg = run_cfg.with_(seed=s)
-        if arm in BASELINES:
-            return run_hf_arm(session, p, arm, run_cfg, rec, memory, s, telemetry)
-        return run_session_arm(session, p, arm, run_cfg, rec, memory, telemetry)
+        if arm.baseline:
+            return run_hf_arm(ses, p, arm.mode, run_cfg, rec, memory[arm.config], s, telemetry)
+        return run_session_arm(ses, p, arm.mode, run_cfg, rec, memory[arm.config], telemetry)
 
-    order = interleaved_order(arms, len(prompts), repeats, rotate=rotate)
-    total = len(order) + (len(arms) if warmup else 0)
+    def new_record(arm: Arm, p: BenchPrompt, r: int, block: int, slot: int) -> RunRecord:
+        return RunRecord(arm.label, p.id, p.kind, r, block, slot, config=arm.config)
+
+    order = interleaved_order(list(arm_of), len(prompts), repeats, rotate=rotate)
+    total = len(order) + (len(plan) if warmup else 0)
     done = 0
     warm: list[RunRecord] = []
     unavailable: dict[str, str] = {}
@@ -274,41 +442,49 @@ def run_bench(
         if warmup:
             p0 = prompts[0]
             warm_cfg = cfg.with_(max_new_tokens=min(8, cfg.max_new_tokens))
-            for arm in arms:
+            for arm in plan:
                 if progress:
-                    progress(BenchProgress(done, total, "warm-up", arm, p0.id))
-                rec = one(arm, p0, warm_cfg, RunRecord(arm, p0.id, p0.kind, -1, -1, 0), seed)
+                    progress(BenchProgress(done, total, "warm-up", arm.label, p0.id))
+                rec = one(arm, p0, warm_cfg, new_record(arm, p0, -1, -1, 0), seed)
                 warm.append(rec)
                 if rec.status == "unavailable":
-                    unavailable[arm] = rec.error or "not available"
+                    unavailable[arm.label] = rec.error or "not available"
                 done += 1
         records: list[RunRecord] = []
         slots: Counter[int] = Counter()
-        for r, i, arm in order:
+        for r, i, label in order:
+            arm = arm_of[label]
             p = prompts[i]
             block = r * len(prompts) + i
             slot = slots[block]
             slots[block] += 1
             if progress:
-                progress(BenchProgress(done, total, "run", arm, p.id))
-            rec = RunRecord(arm, p.id, p.kind, r, block, slot)
-            if arm in unavailable:
-                rec.status, rec.error = "unavailable", unavailable[arm]
+                progress(BenchProgress(done, total, "run", label, p.id))
+            rec = new_record(arm, p, r, block, slot)
+            if label in unavailable:
+                rec.status, rec.error = "unavailable", unavailable[label]
             else:
                 one(arm, p, cfg, rec, seed + 1000 * r + i)
                 if rec.status == "unavailable":
-                    unavailable.setdefault(arm, rec.error or "not available")
+                    unavailable.setdefault(label, rec.error or "not available")
             records.append(rec)
             done += 1
         if progress:
             progress(BenchProgress(done, total, "done", "", ""))
     finally:
-        session.system_prompt = original_system
-        session.reset()
+        for c in configs:
+            c.session.system_prompt = original_system[c.label]
+            c.session.reset()
     seconds = time.perf_counter() - t_begin
+    first = configs[0].session
+    hf_session = by_config[baseline_config].session
     result = BenchResult(
         config={
-            "arms": arms,
+            "arms": list(arm_of),
+            "modes": [a for a in modes if a in SESSION_ARMS],
+            "configs": labels,
+            "baseline_config": baseline_config if base else None,
+            "reference": reference,
             "prompts": [asdict(p) for p in prompts],
             "repeats": repeats,
             "seed": seed,
@@ -319,24 +495,28 @@ def run_bench(
                 for k, v in asdict(cfg).items()
                 if k != "mode"
             },
-            "hf_assistant": hf_assistant_settings(session) if HF_ASSISTED in arms else None,
-            "hf_generation": hf_generation_config(session, cfg, cfg.max_new_tokens).to_diff_dict()
-            if any(a in BASELINES for a in arms)
+            "hf_assistant": hf_assistant_settings(hf_session) if HF_ASSISTED in base else None,
+            "hf_generation": hf_generation_config(
+                hf_session, cfg, cfg.max_new_tokens
+            ).to_diff_dict()
+            if base
             else None,
             "cache_policy": "every run starts a fresh conversation with empty KV caches "
             "(whole prompt prefilled, no prefix reuse), for every arm",
             "latency_definition": "gap between an emission and the previous one / tokens it "
             "carried; the first emission is time to first token",
         },
-        environment=environment(session),
-        models=model_record(session),
-        arms=arms,
+        environment=environment(first),
+        models=model_record(first),
+        arms=list(arm_of),
         load_start=load_start,
         load_end=machine_load(),
         records=records,
         warmup=warm,
         unavailable=unavailable,
         seconds=seconds,
+        configs=[config_record(c) for c in configs],
+        reference=reference,
     )
     summarize(result)
     return result
@@ -392,9 +572,26 @@ def figures(records: Sequence[RunRecord]) -> dict[str, Any]:
     }
 
 
+def split_label(label: str) -> tuple[str, str]:
+    """(mode, config) of an arm label; config is "" in a one-config run (`plain`)."""
+    mode, _, config = label.partition("@")
+    return mode, config
+
+
 def summarize(result: BenchResult) -> None:
-    """Fill result.summary (per arm) and result.by_kind (per prompt kind, per arm)."""
-    refs = [a for a in ("plain", HF_GENERATE) if a in result.arms]
+    """Fill result.summary (per arm), result.by_kind (per prompt kind, per arm) and the
+    RSS peak of each config's runs.
+
+    Ratios, each the median over blocks of arm / other arm in the same block:
+    `speedup_vs_reference` (result.reference), `speedup_vs_plain` (the plain
+    arm of the same config) and `speedup_vs_hf-generate` (the hf-generate arm).
+    """
+    split = {a: split_label(a) for a in result.arms}
+    if result.reference is None and result.arms:
+        result.reference = next((a for a in result.arms if split[a][0] == HF_GENERATE), None)
+        result.reference = result.reference or result.arms[0]
+    plain_of = {c: a for a, (m, c) in split.items() if m == "plain"}
+    hf_gen = next((a for a in result.arms if split[a][0] == HF_GENERATE), None)
     kinds = sorted({r.kind for r in result.records})
 
     def table(records: list[RunRecord]) -> dict[str, dict[str, Any]]:
@@ -406,21 +603,30 @@ def summarize(result: BenchResult) -> None:
         tokens = {a: {r.block: r.tokens for r in rs if r.ok} for a, rs in by_arm.items()}
         out: dict[str, dict[str, Any]] = {}
         for a, rs in by_arm.items():
-            f = figures(rs)
+            mode, config = split[a]
+            f: dict[str, Any] = {"mode": mode, "config": config or None}
+            f.update(figures(rs))
             f["status"] = (
                 "unavailable" if a in result.unavailable else ("ok" if f["runs"] else "failed")
             )
             f["reason"] = result.unavailable.get(a) or next((r.error for r in rs if r.error), None)
-            for ref in refs:
-                ratios = paired_ratios(tps[a], tps[ref])
-                f[f"speedup_vs_{ref}"] = spread(ratios)
-            if "plain" in by_arm and a != "plain":
-                same = [
-                    tokens[a][b] == tokens["plain"][b] for b in tokens[a] if b in tokens["plain"]
-                ]
+            plain = plain_of.get(config)
+            refs = {"plain": plain, HF_GENERATE: hf_gen, "reference": result.reference}
+            for name, ref in refs.items():
+                if ref is not None:
+                    f[f"speedup_vs_{name}"] = spread(paired_ratios(tps[a], tps[ref]))
+            if plain is not None and a != plain:
+                same = [tokens[a][b] == tokens[plain][b] for b in tokens[a] if b in tokens[plain]]
                 f["same_tokens_as_plain"] = {"equal": sum(same), "compared": len(same)}
             out[a] = f
         return out
 
     result.summary = table(result.records)
     result.by_kind = {k: table([r for r in result.records if r.kind == k]) for k in kinds}
+    for c in result.configs:
+        rss = [
+            r.rss_bytes
+            for r in result.records
+            if r.ok and r.rss_bytes is not None and r.config == c["label"]
+        ]
+        c["memory"]["peak_rss_bytes"] = max(rss) if rss else None

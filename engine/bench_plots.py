@@ -9,8 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-# One colour per arm, fixed, so a colour means the same arm in every plot;
-# the transformers baselines are grey.
+# One colour per mode, fixed, so a colour means the same mode in every plot;
+# the transformers baselines are grey. With several model configs (arms
+# `mode@config`) the config is told by a hatch (bars) or a line style.
 ARM_COLOURS = {
     "plain": "#4d4d4d",
     "spec": "#1f77b4",
@@ -19,6 +20,21 @@ ARM_COLOURS = {
     "hf-generate": "#a6a6a6",
     "hf-assisted": "#7f9fbf",
 }
+
+
+HATCHES = ("", "//", "..", "xx", "\\\\", "++", "oo", "--")
+LINESTYLES = ("-", "--", ":", "-.")
+
+
+def _colour(arm: str) -> str:
+    return ARM_COLOURS.get(arm.partition("@")[0], "#999")
+
+
+def _config_index(data: dict[str, Any], arm: str) -> int:
+    """Position of the arm's config in the run (0 for a one-config run)."""
+    config = arm.partition("@")[2]
+    labels = [c["label"] for c in data.get("configs") or []]
+    return labels.index(config) if config in labels else 0
 
 
 def _figure(width: float = 7.0, height: float = 4.0) -> Any:
@@ -48,19 +64,28 @@ def _empty(ax: Any, text: str) -> None:
 def plot_tokens_per_s(data: dict[str, Any], out_dir: Path) -> list[Path]:
     summary = data["summary"]
     arms = [a for a in data["arms"] if summary[a]["tokens_per_s"]["median"] is not None]
-    fig = _figure()
+    fig = _figure(width=max(7.0, 0.8 * len(arms)))
     ax = fig.add_subplot()
     if not arms:
         _empty(ax, "no completed runs")
         return _save(fig, out_dir, "tokens_per_s")
+    # Earlier results have no reference: their labels are the ratios to plain.
+    reference = data.get("reference")
+    key = "speedup_vs_reference" if reference else "speedup_vs_plain"
     med = [summary[a]["tokens_per_s"]["median"] for a in arms]
     lo = [m - summary[a]["tokens_per_s"]["min"] for a, m in zip(arms, med, strict=True)]
     hi = [summary[a]["tokens_per_s"]["max"] - m for a, m in zip(arms, med, strict=True)]
     bars = ax.bar(
-        arms, med, yerr=[lo, hi], capsize=4, color=[ARM_COLOURS.get(a, "#999") for a in arms]
+        arms,
+        med,
+        yerr=[lo, hi],
+        capsize=4,
+        color=[_colour(a) for a in arms],
+        hatch=[HATCHES[_config_index(data, a) % len(HATCHES)] for a in arms],
+        edgecolor="white",
     )
     for bar, a in zip(bars, arms, strict=True):
-        s = summary[a].get("speedup_vs_plain", {}).get("median")
+        s = (summary[a].get(key) or {}).get("median")
         if s is not None:  # above the whisker, so the label never crosses it
             top = summary[a]["tokens_per_s"]["max"]
             ax.annotate(
@@ -72,8 +97,14 @@ def plot_tokens_per_s(data: dict[str, Any], out_dir: Path) -> list[Path]:
                 textcoords="offset points",
             )
     ax.margins(y=0.12)
+    if len(arms) > 4 or any("@" in a for a in arms):
+        ax.tick_params(axis="x", labelrotation=30)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
     unavailable = [a for a in data["arms"] if a not in arms]
-    title = "Tokens/s by mode (median, min-max bars; label: speed vs plain, paired)"
+    title = (
+        f"Tokens/s by arm (median, min-max bars; label: speed vs {reference or 'plain'}, paired)"
+    )
     ax.set_title(
         title + (f"\nnot measured: {', '.join(unavailable)}" if unavailable else ""), fontsize=9
     )
@@ -90,7 +121,8 @@ def plot_acceptance(data: dict[str, Any], out_dir: Path) -> list[Path]:
         points = [(i + 1, v) for i, v in enumerate(acc) if v is not None]
         if points:
             xs, ys = zip(*points, strict=True)
-            ax.plot(xs, ys, marker="o", label=a, color=ARM_COLOURS.get(a, "#999"))
+            style = LINESTYLES[_config_index(data, a) % len(LINESTYLES)]
+            ax.plot(xs, ys, marker="o", label=a, color=_colour(a), linestyle=style)
             drawn = True
     if not drawn:
         _empty(ax, "no speculative rounds")
@@ -107,7 +139,7 @@ def plot_acceptance(data: dict[str, Any], out_dir: Path) -> list[Path]:
 
 
 def plot_latency(data: dict[str, Any], out_dir: Path) -> list[Path]:
-    fig = _figure()
+    fig = _figure(width=max(7.0, 0.8 * len(data["arms"])))
     ax = fig.add_subplot()
     series = {}
     for a in data["arms"]:
@@ -131,8 +163,13 @@ def plot_latency(data: dict[str, Any], out_dir: Path) -> list[Path]:
             medianprops={"color": "black"},
         )
         for patch, a in zip(parts["boxes"], series, strict=True):
-            patch.set_facecolor(ARM_COLOURS.get(a, "#999"))
+            patch.set_facecolor(_colour(a))
+            patch.set_hatch(HATCHES[_config_index(data, a) % len(HATCHES)])
             patch.set_alpha(0.6)
+        if len(series) > 4 or any("@" in a for a in series):
+            ax.tick_params(axis="x", labelrotation=30)
+            for label in ax.get_xticklabels():
+                label.set_horizontalalignment("right")
         from matplotlib.ticker import NullFormatter, ScalarFormatter
 
         ax.set_yscale("log")
@@ -159,7 +196,8 @@ def plot_exit_layers(data: dict[str, Any], out_dir: Path) -> list[Path]:
                 [hist[str(x)] for x in layers],
                 label=a,
                 alpha=0.7,
-                color=ARM_COLOURS.get(a, "#999"),
+                color=_colour(a),
+                hatch=HATCHES[_config_index(data, a) % len(HATCHES)],
             )
             drawn = True
     if not drawn:

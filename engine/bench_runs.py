@@ -3,7 +3,9 @@
 An arm is a session mode (`plain`, `spec`, `self-spec`, `early-exit`) or a
 transformers baseline run on the session's own model objects:
 `hf-generate` (`model.generate`) and `hf-assisted` (`model.generate(
-assistant_model=draft)`). A `RunRecord` holds everything measured.
+assistant_model=draft)`), on one model configuration (a `ConfigSpec`:
+target quantization, draft quantization, dtype). A `RunRecord` holds
+everything measured.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .config import DecodeConfig, Mode
+from .config import DecodeConfig, Mode, QuantMode
 from .errors import EngineError
 from .events import Failed, Notice, RoundEvent, TokenEvent, TurnFinished, TurnStarted
 
@@ -36,10 +38,151 @@ HF_ASSISTED = "hf-assisted"
 BASELINES = (HF_GENERATE, HF_ASSISTED)
 SESSION_ARMS = tuple(m.value for m in Mode)
 ROLES = ("system", "user", "assistant")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTS = ("auto", *(q.value for q in QuantMode))
 
 
 class PromptFileError(EngineError):
     """The prompt file cannot be read or a line is not a prompt."""
+
+
+class ConfigSpecError(EngineError):
+    """A --configs entry is not TARGETQUANT[/DRAFTQUANT][:DTYPE], or names no config of the run."""
+
+
+# -- model configurations and arms ---------------------------------------------------
+
+CONFIG_SYNTAX = "TARGETQUANT[/DRAFTQUANT][:DTYPE]"
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigSpec:
+    """One model configuration of a benchmark: how target and draft are held.
+
+    `label` is the text as given (lower case, no spaces); it names the config in
+    arm labels (`spec@int8/int4`). Two specs are the same configuration when
+    their quantizations and dtype are equal, whatever their text.
+    """
+
+    label: str
+    target_quant: str  # a QuantMode value or "auto"
+    draft_quant: str  # defaults to the target's
+    dtype: str  # one of DTYPES
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.target_quant, self.draft_quant, self.dtype)
+
+
+def _config_error(text: str, what: str) -> ConfigSpecError:
+    return ConfigSpecError(
+        f"bad config {text!r}: {what}",
+        hint=f"a config is {CONFIG_SYNTAX}, e.g. int8/int4:float32; "
+        f"quantizations: {', '.join(QUANTS)}; dtypes: {', '.join(DTYPES)}",
+    )
+
+
+def parse_config_spec(text: str, dtype: str = "auto") -> ConfigSpec:
+    """`TARGETQUANT[/DRAFTQUANT][:DTYPE]`; the draft quantization defaults to the
+    target's and the dtype to `dtype` (the --dtype flag)."""
+    label = text.strip().lower()
+    if not label:
+        raise _config_error(text, "it is empty")
+    quants, sep, dt = label.partition(":")
+    if sep:
+        if dt not in DTYPES:
+            raise _config_error(text, f"unknown dtype {dt!r}")
+    else:
+        dt = dtype
+    parts = quants.split("/")
+    if len(parts) > 2:
+        raise _config_error(text, "more than one '/' (target and draft only)")
+    for part, role in zip(parts, ("target", "draft"), strict=False):
+        if not part:
+            raise _config_error(text, f"the {role} quantization is missing")
+        if part not in QUANTS:
+            raise _config_error(text, f"unknown {role} quantization {part!r}")
+    target = parts[0]
+    draft = parts[1] if len(parts) == 2 else target
+    return ConfigSpec(label, target, draft, dt)
+
+
+def parse_config_specs(text: str, dtype: str = "auto") -> list[ConfigSpec]:
+    """A comma-separated list of configs; the same configuration twice is an error."""
+    specs = [parse_config_spec(t, dtype) for t in text.split(",")]
+    seen: dict[tuple[str, str, str], str] = {}
+    for s in specs:
+        if s.key in seen:
+            raise ConfigSpecError(
+                f"configs {seen[s.key]!r} and {s.label!r} are the same configuration",
+                hint="list each configuration once",
+            )
+        seen[s.key] = s.label
+    return specs
+
+
+def find_config(specs: Sequence[ConfigSpec], text: str, dtype: str = "auto") -> ConfigSpec:
+    """The spec among `specs` that `text` describes (compared by meaning, not spelling)."""
+    wanted = parse_config_spec(text, dtype)
+    for s in specs:
+        if s.key == wanted.key:
+            return s
+    raise ConfigSpecError(
+        f"config {text!r} is not one of the configs of this run",
+        hint=f"choose from {', '.join(s.label for s in specs)}",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Arm:
+    """One (config, mode) pair of a benchmark, and the label it is reported under."""
+
+    mode: str  # a session mode or a baseline (hf-generate, hf-assisted)
+    config: str  # the config's label
+    label: str  # `mode` when the run has one config, else `mode@config`
+
+    @property
+    def baseline(self) -> bool:
+        return self.mode in BASELINES
+
+
+def make_arms(
+    configs: Sequence[str], modes: Sequence[str], baselines: Sequence[str], baseline_config: str
+) -> list[Arm]:
+    """Every session mode on every config, then the baselines on `baseline_config`.
+
+    Labels carry the config (`spec@int8/int4`) only when there are several configs,
+    so a one-config run keeps the plain mode names of earlier results.
+    """
+    several = len(configs) > 1
+
+    def arm(mode: str, config: str) -> Arm:
+        return Arm(mode, config, f"{mode}@{config}" if several else mode)
+
+    arms = [arm(m, c) for c in configs for m in modes]
+    return arms + [arm(b, baseline_config) for b in baselines]
+
+
+def find_arm(
+    arms: Sequence[Arm], text: str, specs: Sequence[ConfigSpec] = (), dtype: str = "auto"
+) -> Arm:
+    """The arm `text` names: a label, or `mode@config` with the config in any spelling
+    `find_config` accepts (`specs` given, parsed with default dtype `dtype`)."""
+    for a in arms:
+        if a.label == text.strip():
+            return a
+    mode, sep, config = text.strip().partition("@")
+    if sep and specs:
+        try:
+            label = find_config(specs, config, dtype).label
+        except ConfigSpecError:
+            label = None
+        for a in arms:
+            if a.mode == mode and a.config == label:
+                return a
+    raise ConfigSpecError(
+        f"arm {text!r} is not in this run", hint=f"choose from {', '.join(a.label for a in arms)}"
+    )
 
 
 # -- prompts -------------------------------------------------------------------
@@ -157,6 +300,7 @@ class RunRecord:
     rss_bytes: int | None = None
     cuda_peak_bytes: int | None = None
     error: str | None = None
+    config: str = ""  # label of the model configuration the arm ran on
 
     @property
     def n_tokens(self) -> int:
@@ -255,7 +399,7 @@ def run_session_arm(
     t0 = time.perf_counter()
     for ev in session.stream(prompt.prompt, cfg):
         if telemetry is not None:
-            telemetry.observe(ev, model=model_name, mode=arm)
+            telemetry.observe(ev, model=model_name, mode=rec.arm)
         if isinstance(ev, TokenEvent):
             rec.tokens.append(ev.token_id)
             round_tokens += 1
@@ -396,7 +540,7 @@ def run_hf_arm(
     if telemetry is not None:
         telemetry.observe_run(
             model=session.target.info.name,
-            mode=arm,
+            mode=rec.arm,
             tokens=rec.n_tokens,
             ttft_s=rec.ttft_s,
             latencies_s=[v / 1e3 for v in rec.latencies_ms],

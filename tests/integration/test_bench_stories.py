@@ -185,3 +185,41 @@ def test_bench_command_names_the_bad_line(
     bad.write_text(json.dumps(PROMPT_LINES[0]) + "\n{not json\n", encoding="utf-8")
     assert main(["bench", "--prompts", str(bad)]) == 2
     assert f"{bad}:2: not valid JSON" in capsys.readouterr().err
+
+
+def test_bench_command_compares_two_configs_in_one_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """float32 and bfloat16 of the same pair, interleaved; 1 prompt, 1 repeat, 8 tokens."""
+    from specchat.tui.cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(p) for p in PROMPT_LINES) + "\n", encoding="utf-8")
+    out = tmp_path / "out"
+    argv = ["bench", "--prompts", str(prompts), "--target", str(STORIES), "--draft", str(STORIES)]
+    argv += ["--configs", "none,none:bfloat16", "--modes", "plain,spec", "--limit", "1"]
+    argv += ["--max-new-tokens", "8", "--repeats", "1", "--threads", "1", "--out", str(out)]
+    assert main(argv) == 0
+    data = json.loads((out / "result.json").read_text(encoding="utf-8"))
+    arms = ["plain@none", "spec@none", "plain@none:bfloat16", "spec@none:bfloat16"]
+    assert data["arms"] == [*arms, "hf-generate@none", "hf-assisted@none"]
+    assert data["reference"] == "hf-generate@none"
+    assert len(data["runs"]) == len(data["arms"])  # one block: every arm once
+    for arm in data["arms"]:
+        s = data["summary"][arm]
+        assert s["status"] == "ok", (arm, s["reason"])
+        assert s["speedup_vs_reference"]["median"] > 0
+    assert data["summary"]["spec@none:bfloat16"]["acceptance_rate"] is not None
+    f32, bf16 = data["configs"]
+    assert (f32["label"], bf16["label"]) == ("none", "none:bfloat16")
+    assert f32["models"]["target"]["dtype"] == "float32"
+    assert bf16["models"]["target"]["dtype"] == bf16["models"]["draft"]["dtype"] == "bfloat16"
+    # Half the bytes per value: the KV cache per token halves, and so do the weights.
+    mem32, mem16 = f32["memory"], bf16["memory"]
+    assert mem16["target_kv_bytes_per_token"] * 2 == mem32["target_kv_bytes_per_token"]
+    assert mem16["draft_kv_bytes_per_token"] * 2 == mem32["draft_kv_bytes_per_token"]
+    assert mem16["target_weight_bytes"] < mem32["target_weight_bytes"]
+    assert mem16["peak_rss_bytes"] > 0
+    assert "spec@none:bfloat16" in capsys.readouterr().out
+    assert {"tokens_per_s.png", "latency.svg"} <= {f.name for f in out.iterdir()}
+    assert main(["bench", "--show", str(out / "result.json")]) == 0

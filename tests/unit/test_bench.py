@@ -1,17 +1,38 @@
-"""Benchmark statistics, prompt files, interleaving and the A/B tests, on synthetic data."""
+"""Benchmark statistics, prompt files, interleaving and the A/B tests, on synthetic data;
+several model configs in one run, on tiny models built in code."""
 
 from __future__ import annotations
 
 import json
 import random
+import statistics
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from specchat.engine.ab import first_divergence
-from specchat.engine.bench import BenchResult, RunRecord, summarize
-from specchat.engine.bench_runs import PromptFileError, load_prompts
+from specchat.engine.bench import (
+    BenchConfig,
+    BenchPrompt,
+    BenchResult,
+    ConfigLoadError,
+    RunRecord,
+    load_configs,
+    run_bench,
+    summarize,
+)
+from specchat.engine.bench_runs import (
+    ConfigSpecError,
+    PromptFileError,
+    find_arm,
+    find_config,
+    load_prompts,
+    make_arms,
+    parse_config_spec,
+    parse_config_specs,
+)
 from specchat.engine.bench_stats import (
     acceptance_by_position,
     chi2_sf,
@@ -24,8 +45,12 @@ from specchat.engine.bench_stats import (
     total_variation,
 )
 from specchat.engine.config import Mode
+from specchat.engine.errors import OutOfMemoryError, QuantizationError
 from specchat.engine.events import Provenance, RoundEvent, TokenEvent
+from specchat.engine.loading import layer_truncated
 from specchat.engine.metrics import DecodeMetrics
+from specchat.engine.session import ChatSession
+from tests.tinymodels import loaded, tiny_llama
 
 # -- medians, ratios, spreads ----------------------------------------------------
 
@@ -253,6 +278,410 @@ def test_summarize_pairs_ratios_within_blocks_and_reports_unavailable_modes() ->
     assert set(result.by_kind) == {"kind-a", "kind-b"}
     assert result.by_kind["kind-b"]["spec"]["runs"] == 1
     json.dumps(result.to_dict())  # every figure serialises
+
+
+def test_summarize_takes_plain_ratios_within_each_config_and_the_reference_across() -> None:
+    # Two configs, a and b; in every block spec@a is 1.5x plain@a, plain@b 2x plain@a,
+    # spec@b 3x plain@a; hf-generate@a is the reference and equals plain@a.
+    speeds = {"plain@a": 10.0, "spec@a": 15.0, "plain@b": 20.0, "spec@b": 30.0}
+    speeds["hf-generate@a"] = 10.0
+    drift = [1.0, 2.0, 0.5]
+    records = [
+        record(arm, b, tps / d, [1, 2, 3, 4], config=arm.partition("@")[2])
+        for arm, tps in speeds.items()
+        for b, d in enumerate(drift)
+    ]
+    result = BenchResult(
+        config={},
+        environment={},
+        models={},
+        arms=list(speeds),
+        load_start={},
+        load_end={},
+        records=records,
+        warmup=[],
+        unavailable={},
+        seconds=1.0,
+        configs=[{"label": c, "memory": {"peak_rss_bytes": None}} for c in ("a", "b")],
+    )
+    summarize(result)
+    s = result.summary
+    assert result.reference == "hf-generate@a"  # the default when baselines ran
+    assert (s["spec@b"]["mode"], s["spec@b"]["config"]) == ("spec", "b")
+    assert s["spec@a"]["speedup_vs_plain"]["median"] == pytest.approx(1.5)
+    assert s["spec@b"]["speedup_vs_plain"]["median"] == pytest.approx(1.5)  # against plain@b
+    assert s["spec@b"]["speedup_vs_reference"]["median"] == pytest.approx(3.0)
+    assert s["plain@b"]["speedup_vs_hf-generate"]["median"] == pytest.approx(2.0)
+    assert s["hf-generate@a"]["speedup_vs_reference"]["median"] == pytest.approx(1.0)
+    assert s["hf-generate@a"]["speedup_vs_plain"]["median"] == pytest.approx(1.0)  # plain@a
+    assert s["spec@b"]["same_tokens_as_plain"] == {"equal": 3, "compared": 3}
+    assert "same_tokens_as_plain" not in s["plain@b"]
+
+
+def test_summarize_records_the_rss_peak_of_each_config() -> None:
+    records = [
+        record("plain@a", 0, 10.0, [1], config="a", rss_bytes=100),
+        record("plain@b", 0, 10.0, [1], config="b", rss_bytes=300),
+        record("plain@b", 1, 10.0, [1], config="b", rss_bytes=200),
+    ]
+    configs = [{"label": c, "memory": {"peak_rss_bytes": None}} for c in ("a", "b")]
+    result = BenchResult({}, {}, {}, ["plain@a", "plain@b"], {}, {}, records, [], {}, 1.0)
+    result.configs = configs
+    summarize(result)
+    assert [c["memory"]["peak_rss_bytes"] for c in result.configs] == [100, 300]
+    assert result.reference == "plain@a"  # no baseline: the first arm
+
+
+# -- several model configs ------------------------------------------------------------------
+
+
+def test_parse_config_spec() -> None:
+    s = parse_config_spec("int8/int4")
+    assert (s.label, s.target_quant, s.draft_quant, s.dtype) == (
+        "int8/int4",
+        "int8",
+        "int4",
+        "auto",
+    )
+    s = parse_config_spec(" None:BFloat16 ", dtype="float32")
+    assert (s.label, s.target_quant, s.draft_quant, s.dtype) == (
+        "none:bfloat16",
+        "none",
+        "none",  # the draft takes the target's quantization
+        "bfloat16",
+    )
+    assert parse_config_spec("w8a8", dtype="float32").dtype == "float32"  # from --dtype
+    specs = parse_config_specs("none:bfloat16,int8/int4,w8a8/w8a8,int4/int4")
+    assert [s.label for s in specs] == ["none:bfloat16", "int8/int4", "w8a8/w8a8", "int4/int4"]
+    # Compared by meaning: int8 is int8/int8 at the default dtype.
+    assert find_config(parse_config_specs("int8,int4"), "int8/int8:auto").label == "int8"
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("", "empty"),
+        ("int3", "unknown target quantization 'int3'"),
+        ("int8/fp4", "unknown draft quantization 'fp4'"),
+        ("int8/int4/none", "more than one '/'"),
+        ("/int4", "target quantization is missing"),
+        ("int8/", "draft quantization is missing"),
+        ("int8:", "unknown dtype ''"),
+        ("int8:float8", "unknown dtype 'float8'"),
+        ("int8:bfloat16:x", "unknown dtype 'bfloat16:x'"),
+    ],
+)
+def test_a_bad_config_spec_says_what_is_wrong(text: str, needle: str) -> None:
+    with pytest.raises(ConfigSpecError) as exc:
+        parse_config_specs(f"none,{text}")
+    assert f"bad config {text!r}" in exc.value.message
+    assert needle in exc.value.message
+    assert "TARGETQUANT[/DRAFTQUANT][:DTYPE]" in exc.value.hint
+
+
+def test_the_same_config_twice_and_an_unknown_one_are_errors() -> None:
+    with pytest.raises(ConfigSpecError, match="'int8' and 'int8/int8' are the same"):
+        parse_config_specs("int8,int8/int8")
+    with pytest.raises(ConfigSpecError, match="not one of the configs"):
+        find_config(parse_config_specs("int8,int4"), "w8a8")
+
+
+def test_arm_labels_carry_the_config_only_when_there_are_several() -> None:
+    one = make_arms(["int8"], ["plain", "spec"], ["hf-generate"], "int8")
+    assert [a.label for a in one] == ["plain", "spec", "hf-generate"]
+    two = make_arms(["int8/int4", "none"], ["plain", "spec"], ["hf-generate"], "none")
+    assert [a.label for a in two] == [
+        "plain@int8/int4",
+        "spec@int8/int4",
+        "plain@none",
+        "spec@none",
+        "hf-generate@none",
+    ]
+    specs = parse_config_specs("int8/int4,none")
+    assert find_arm(two, "spec@int8/int4").config == "int8/int4"
+    assert find_arm(two, "plain@none/none:auto", specs).label == "plain@none"
+    with pytest.raises(ConfigSpecError, match="'hf-assisted@none' is not in this run"):
+        find_arm(two, "hf-assisted@none", specs)
+
+
+def tiny_session(seed: int) -> ChatSession:
+    target = tiny_llama(seed=seed, layers=4)
+    return ChatSession(loaded(target), loaded(layer_truncated(target, 2), "draft"))  # type: ignore[arg-type]
+
+
+TINY_PROMPTS = [BenchPrompt("p0", "story", "Once upon a time"), BenchPrompt("p1", "code", "def")]
+
+
+def test_two_configs_interleave_and_baselines_run_on_the_chosen_one() -> None:
+    """Tiny models, 2 prompts x 2 repeats, 6 tokens; nothing timed is compared."""
+    configs = [BenchConfig("a", tiny_session(0)), BenchConfig("b", tiny_session(1))]
+    result = run_bench(
+        configs,
+        TINY_PROMPTS,
+        arms=["plain", "spec"],
+        baseline_config="b",
+        max_new_tokens=6,
+        repeats=2,
+        warmup=False,
+    )
+    arms = ["plain@a", "spec@a", "plain@b", "spec@b", "hf-generate@b", "hf-assisted@b"]
+    assert result.arms == arms
+    assert result.reference == "hf-generate@b"
+    assert result.config["baseline_config"] == "b"
+    # Every block runs every (config, mode) arm once, in a rotating order.
+    blocks: dict[int, list[str]] = {}
+    for r in result.records:
+        blocks.setdefault(r.block, []).append(r.arm)
+        assert r.config == r.arm.partition("@")[2]
+        assert r.ok, (r.arm, r.error)
+    assert len(blocks) == 4
+    assert all(sorted(b) == sorted(arms) for b in blocks.values())
+    assert [b[0] for b in blocks.values()] == arms[:4]
+    assert not any(r.arm.startswith("hf-") and r.config != "b" for r in result.records)
+    # Ratios are paired within blocks: recompute them from the records.
+    tps = {(r.arm, r.block): r.tokens_per_s for r in result.records}
+    for arm in arms:
+        ref = [tps[(arm, b)] / tps[("hf-generate@b", b)] for b in blocks]  # type: ignore[operator]
+        plain = [tps[(arm, b)] / tps[(f"plain@{arm.partition('@')[2]}", b)] for b in blocks]  # type: ignore[operator]
+        assert result.summary[arm]["speedup_vs_reference"]["median"] == pytest.approx(
+            statistics.median(ref)
+        )
+        assert result.summary[arm]["speedup_vs_plain"]["median"] == pytest.approx(
+            statistics.median(plain)
+        )
+    assert result.summary["hf-generate@b"]["speedup_vs_reference"]["max"] == pytest.approx(1.0)
+    # Greedy and lossless: every arm of a config gives its plain's tokens.
+    assert result.summary["spec@a"]["same_tokens_as_plain"] == {"equal": 4, "compared": 4}
+    assert result.summary["hf-generate@b"]["same_tokens_as_plain"] == {"equal": 4, "compared": 4}
+    # Per config: weights and KV bytes per token of both models, and the RSS peak.
+    data = json.loads(json.dumps(result.to_dict()))
+    assert [c["label"] for c in data["configs"]] == ["a", "b"]
+    for c, bc in zip(data["configs"], configs, strict=True):
+        info = bc.session.target.info
+        assert c["memory"]["target_weight_bytes"] == info.weight_bytes > 0
+        assert c["memory"]["target_kv_bytes_per_token"] == info.kv_bytes_per_token > 0
+        assert c["memory"]["draft_weight_bytes"] > 0
+        assert c["models"]["target"]["name"] == info.name
+        assert c["memory"]["peak_rss_bytes"] > 0
+
+
+def test_a_named_reference_and_no_baselines() -> None:
+    configs = [BenchConfig("a", tiny_session(0)), BenchConfig("b", tiny_session(1))]
+    kw: dict[str, Any] = {"arms": ["plain"], "max_new_tokens": 3, "warmup": False}
+    result = run_bench(configs, TINY_PROMPTS[:1], baselines=False, **kw)
+    assert result.arms == ["plain@a", "plain@b"]
+    assert result.reference == "plain@a"  # the first arm
+    result = run_bench(configs, TINY_PROMPTS[:1], baselines=False, reference="plain@b", **kw)
+    assert result.summary["plain@b"]["speedup_vs_reference"]["median"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="not an arm of this run"):
+        run_bench(configs, TINY_PROMPTS[:1], reference="spec@a", **kw)
+    with pytest.raises(ValueError, match="baseline config 'c'"):
+        run_bench(configs, TINY_PROMPTS[:1], baseline_config="c", **kw)
+
+
+def test_one_session_keeps_the_plain_mode_names() -> None:
+    result = run_bench(tiny_session(0), TINY_PROMPTS[:1], arms=["plain"], max_new_tokens=3)
+    assert result.arms == ["plain", "hf-generate", "hf-assisted"]
+    assert result.reference == "hf-generate"
+    assert [c["label"] for c in result.configs] == ["none/none:float32"]
+    assert "speedup_vs_plain" in result.summary["hf-generate"]
+
+
+def test_load_configs_names_the_config_that_did_not_load() -> None:
+    specs = parse_config_specs("none,int8/int4")
+    session = tiny_session(0)
+
+    def load(spec: Any) -> ChatSession:
+        if spec.label == "int8/int4":
+            raise MemoryError("cannot allocate 6 GB")
+        return session
+
+    with pytest.raises(ConfigLoadError) as exc:
+        load_configs(specs, load)
+    assert exc.value.message == "config 'int8/int4' did not load: MemoryError: cannot allocate 6 GB"
+    assert "none stayed loaded" in exc.value.hint
+
+    def refuse(spec: Any) -> ChatSession:
+        raise OutOfMemoryError("the target needs 9 GB, 2 GB free", hint="try --target-quant int4")
+
+    with pytest.raises(ConfigLoadError) as exc:
+        load_configs(specs, refuse)
+    assert exc.value.message == "config 'none' did not load: the target needs 9 GB, 2 GB free"
+    assert exc.value.hint == "try --target-quant int4"
+
+    def unsupported(spec: Any) -> ChatSession:
+        if spec.label == "none":
+            return session
+        raise QuantizationError("int8 needs in_features divisible by 8", hint="use none")
+
+    with pytest.raises(ConfigLoadError) as exc:
+        load_configs(specs, unsupported)
+    assert exc.value.message.startswith("config 'int8/int4' did not load: int8 needs")
+    assert exc.value.hint == "use none"  # not a memory question: no word on held configs
+    (one,) = load_configs(specs[:1], lambda spec: session)
+    assert (one.label, one.session, one.spec) == ("none", session, specs[0])
+    assert set(one.load) == {"seconds", "rss_before_bytes", "rss_after_bytes"}
+
+
+# -- the command, on tiny models ---------------------------------------------------------
+
+
+def prompt_file(tmp_path: Path) -> Path:
+    line = {"id": "p0", "kind": "story", "messages": [{"role": "user", "content": "Once upon"}]}
+    return write(tmp_path, [json.dumps(line)])
+
+
+@pytest.fixture
+def fake_load(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
+    """ChatSession.load answers with tiny models and records (target quant, draft quant, dtype);
+    a target quant of bnb-int8 fails to load, as a model too big for memory would."""
+    calls: list[tuple[str, str, str]] = []
+
+    def load(target: Any, draft: Any, **kw: object) -> ChatSession:
+        calls.append((str(target.quant), str(draft.quant), target.dtype))
+        if target.quant == "bnb-int8":
+            raise MemoryError("out of memory")
+        return tiny_session(len(calls))
+
+    monkeypatch.setattr(ChatSession, "load", load)
+    return calls
+
+
+def test_bench_command_with_configs(
+    tmp_path: Path, fake_load: list[tuple[str, str, str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from specchat.tui.cli import main
+
+    out = tmp_path / "out"
+    argv = ["bench", "--prompts", str(prompt_file(tmp_path)), "--modes", "plain,spec"]
+    argv += ["--configs", "none:bfloat16,int8/int4", "--baseline-config", "int8/int4:auto"]
+    argv += ["--reference", "plain@none:bfloat16", "--max-new-tokens", "4", "--repeats", "1"]
+    argv += ["--out", str(out), "--no-plots", "--no-warmup"]
+    assert main(argv) == 0
+    assert fake_load == [("none", "none", "bfloat16"), ("int8", "int4", "auto")]
+    data = json.loads((out / "result.json").read_text(encoding="utf-8"))
+    assert data["arms"] == [
+        "plain@none:bfloat16",
+        "spec@none:bfloat16",
+        "plain@int8/int4",
+        "spec@int8/int4",
+        "hf-generate@int8/int4",
+        "hf-assisted@int8/int4",
+    ]
+    assert data["reference"] == "plain@none:bfloat16"
+    assert [c["spec"]["draft_quant"] for c in data["configs"]] == ["none", "int4"]
+    assert all(c["load"]["seconds"] >= 0 for c in data["configs"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "spec@int8/int4" in text and "×ref: against plain@none:bfloat16" in text
+    assert "KV KB/tok" in text  # the per-config table
+    assert main(["bench", "--show", str(out / "result.json")]) == 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--configs", "int8,int9"], "bad config 'int9': unknown target quantization"),
+        (["--configs", "int8", "--target-quant", "int4"], "--configs sets the quantizations"),
+        (["--baseline-config", "int8"], "--baseline-config needs --configs"),
+        (["--configs", "int8,int4", "--baseline-config", "w8a8"], "'w8a8' is not one of"),
+        (["--configs", "int8,int4", "--reference", "spec@w8a8"], "'spec@w8a8' is not in this"),
+        (["--reference", "hf-generate", "--no-baseline"], "'hf-generate' is not in this run"),
+    ],
+)
+def test_bench_command_refuses_bad_config_flags_before_loading(
+    tmp_path: Path,
+    fake_load: list[tuple[str, str, str]],
+    capsys: pytest.CaptureFixture[str],
+    flags: list[str],
+    needle: str,
+) -> None:
+    from specchat.tui.cli import main
+
+    assert main(["bench", "--prompts", str(prompt_file(tmp_path)), *flags]) == 2
+    assert needle in capsys.readouterr().err
+    assert fake_load == []
+
+
+def test_bench_command_names_the_config_that_did_not_load(
+    tmp_path: Path, fake_load: list[tuple[str, str, str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from specchat.tui.cli import main
+
+    argv = ["bench", "--prompts", str(prompt_file(tmp_path)), "--configs", "none,bnb-int8"]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "config 'bnb-int8' did not load: MemoryError: out of memory" in err
+    assert "none stayed loaded" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def legacy_result() -> dict[str, Any]:
+    """A one-config result.json as written before there were configs and a reference."""
+    plain = [record("plain", b, tps, [1, 2, 3]) for b, tps in enumerate([10.0, 12.0])]
+    spec = [
+        record("spec", b, tps, [1, 2, 3], rounds=[(3, 2)]) for b, tps in enumerate([15.0, 18.0])
+    ]
+    hf = [record("hf-generate", b, 10.0, [1, 2, 3]) for b in range(2)]
+    result = BenchResult(
+        config={
+            "arms": ["plain", "spec", "hf-generate"],
+            "prompts": [{"id": "p0"}, {"id": "p1"}],
+            "repeats": 1,
+            "seed": 0,
+            "decode": {"max_new_tokens": 3, "temperature": 0.0},
+            "cache_policy": "fresh",
+        },
+        environment={"device": "cpu", "torch_threads": 1, "torch": "2", "transformers": "5"},
+        models={
+            "target": {"name": "t", "dtype": "float32", "quant": "int8"},
+            "draft": {"name": "d", "dtype": "float32", "quant": "int4"},
+        },
+        arms=["plain", "spec", "hf-generate"],
+        load_start={"loadavg": [1.0, 1.0, 1.0], "cpu_percent": 50.0},
+        load_end={"loadavg": None, "cpu_percent": None},
+        records=plain + spec + hf,
+        warmup=[],
+        unavailable={},
+        seconds=3.0,
+    )
+    summarize(result)
+    data = result.to_dict()
+    del data["configs"], data["reference"]
+    for f in [
+        *data["summary"].values(),
+        *(a for k in data["by_kind"].values() for a in k.values()),
+    ]:
+        del f["speedup_vs_reference"], f["mode"], f["config"]
+    for r in data["runs"]:
+        del r["config"]
+    return data
+
+
+def test_show_prints_a_result_from_before_configs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from specchat.tui.cli import main
+
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(legacy_result()), encoding="utf-8")
+    assert main(["bench", "--show", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "target t (float32, int8), draft d (float32, int4)" in text
+    spec_row = next(line for line in text.splitlines() if line.strip().startswith("spec "))
+    assert "1.50x" in spec_row  # ×plain
+    assert "×ref" not in text and "configs" not in text
+
+
+def test_plots_of_several_configs_and_of_an_earlier_result(tmp_path: Path) -> None:
+    from specchat.engine.bench_plots import write_plots
+
+    configs = [BenchConfig("a", tiny_session(0)), BenchConfig("b", tiny_session(1))]
+    result = run_bench(configs, TINY_PROMPTS[:1], arms=["plain", "spec"], max_new_tokens=4)
+    for data, name in ((result.to_dict(), "new"), (legacy_result(), "old")):
+        files = write_plots(data, tmp_path / name)
+        assert len(files) == 8
+        assert all(f.stat().st_size > 0 for f in files)
 
 
 # -- A/B helpers -------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 Runs the modes over a prompt file (interleaved, after a warm-up), prints a
 table, and writes result.json and plots (PNG and SVG) into --out.
+`--configs none:bfloat16,int8/int4` runs every mode on several model
+configurations (quantization, dtype) in the same interleaved run.
 `specchat bench --show DIR/result.json` prints the tables of an earlier run.
 """
 
@@ -41,6 +43,15 @@ def add_parser(sub: Any) -> None:
     )
     add_run_args(p)
     p.add_argument(
+        "--configs",
+        default=None,
+        metavar="SPEC[,SPEC...]",
+        help="model configurations to compare in one run, each TARGETQUANT[/DRAFTQUANT][:DTYPE] "
+        "(draft quant: the target's; dtype: --dtype), e.g. none:bfloat16,int8/int4,w8a8; "
+        "every mode runs on every config, labelled mode@config "
+        "(default: one config from --target-quant/--draft-quant/--dtype)",
+    )
+    p.add_argument(
         "--repeats", type=int, default=3, help="timed runs per prompt and mode (default 3)"
     )
     p.add_argument(
@@ -48,6 +59,19 @@ def add_parser(sub: Any) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also run transformers' generate, plain and with assistant_model (default: on)",
+    )
+    p.add_argument(
+        "--baseline-config",
+        default=None,
+        metavar="SPEC",
+        help="the config of --configs the transformers baselines run on (default: the first)",
+    )
+    p.add_argument(
+        "--reference",
+        default=None,
+        metavar="ARM",
+        help="the arm speed ratios (×ref) are taken against, e.g. plain or plain@int8/int4 "
+        "(default: hf-generate, or the first arm without baselines)",
     )
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up runs")
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts only")
@@ -94,7 +118,7 @@ def error(message: str, hint: str = "") -> int:
     return 2
 
 
-def load_session(args: argparse.Namespace, console: Any) -> Any:
+def load_session(args: argparse.Namespace, console: Any, label: str = "") -> Any:
     """ChatSession from the model flags, with load progress on `console` (stderr)."""
     from rich.progress import BarColumn, Progress, TextColumn
 
@@ -126,10 +150,61 @@ def load_session(args: argparse.Namespace, console: Any) -> Any:
             progress=progress,
             threads=args.threads,
         )
-    console.print(f"[dim]{session.ready.summary}[/dim]")
+    console.print(f"[dim]{f'config {label}: ' if label else ''}{session.ready.summary}[/dim]")
     for note in session.ready.notes:
         console.print(f"[dim]  {note}[/dim]")
     return session
+
+
+def config_args(args: argparse.Namespace, spec: Any) -> argparse.Namespace:
+    """The model flags with one config's quantizations and dtype."""
+    return argparse.Namespace(
+        **{
+            **vars(args),
+            "target_quant": spec.target_quant,
+            "draft_quant": spec.draft_quant,
+            "dtype": spec.dtype,
+        }
+    )
+
+
+def plan_configs(
+    args: argparse.Namespace, modes: list[str]
+) -> tuple[list[Any] | None, str | None, str | None]:
+    """(config specs or None for one config from the flags, baseline config label,
+    reference arm label), checked before any model is loaded. Raises EngineError."""
+    from specchat.engine.bench_runs import (
+        BASELINES,
+        ConfigSpecError,
+        find_arm,
+        find_config,
+        make_arms,
+        parse_config_specs,
+    )
+
+    specs = None
+    baseline = None
+    if args.configs is not None:
+        if args.target_quant != "auto" or args.draft_quant != "auto":
+            raise ConfigSpecError(
+                "--configs sets the quantizations; --target-quant and --draft-quant do not apply",
+                hint="drop --target-quant/--draft-quant, or write them into each config",
+            )
+        specs = parse_config_specs(args.configs, args.dtype)
+        baseline = specs[0].label
+        if args.baseline_config is not None:
+            baseline = find_config(specs, args.baseline_config, args.dtype).label
+    elif args.baseline_config is not None:
+        raise ConfigSpecError(
+            "--baseline-config needs --configs", hint="without --configs there is one config"
+        )
+    reference = None
+    if args.reference is not None:
+        labels = [s.label for s in specs] if specs else ["-"]
+        base = list(BASELINES) if args.baseline else []
+        arms = make_arms(labels, modes, base, baseline or labels[0])
+        reference = find_arm(arms, args.reference, specs or (), args.dtype).label
+    return specs, baseline, reference
 
 
 def wide_console() -> Any:
@@ -169,10 +244,11 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         return error("--repeats must be at least 1")
 
-    from specchat.engine.bench import load_prompts
+    from specchat.engine.bench import load_configs, load_prompts
     from specchat.engine.errors import EngineError
 
     try:
+        specs, baseline_config, reference = plan_configs(args, modes)
         prompts = load_prompts(args.prompts)
         cfg = common.decode_config(args)
     except EngineError as exc:
@@ -185,7 +261,12 @@ def run(args: argparse.Namespace) -> int:
 
     quiet_transformers()
     try:
-        session = load_session(args, err)
+        if specs is None:
+            session: Any = load_session(args, err)
+        else:
+            session = load_configs(
+                specs, lambda spec: load_session(config_args(args, spec), err, spec.label)
+            )
     except EngineError as exc:
         return error(exc.message, exc.hint)
 
@@ -204,7 +285,9 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"metrics: {server.url}")
     t0 = time.perf_counter()
     try:
-        result = run_with_progress(session, prompts, modes, cfg, args, err, telemetry)
+        result = run_with_progress(
+            session, prompts, modes, cfg, args, err, telemetry, baseline_config, reference
+        )
     finally:
         if server is not None:
             server.close()
@@ -230,6 +313,8 @@ def run_with_progress(
     args: argparse.Namespace,
     console: Any,
     telemetry: Any,
+    baseline_config: str | None = None,
+    reference: str | None = None,
 ) -> Any:
     from rich.progress import (
         BarColumn,
@@ -266,6 +351,8 @@ def run_with_progress(
             prompts,
             arms=modes,
             baselines=args.baseline,
+            baseline_config=baseline_config,
+            reference=reference,
             config=cfg,
             repeats=args.repeats,
             seed=args.seed,
@@ -308,12 +395,56 @@ def _table(title: str, columns: list[str]) -> Any:
     return t
 
 
+def _mode(arm: str) -> str:
+    return arm.partition("@")[0]
+
+
+def _mb(v: int | None) -> str:
+    return _speed(v / 2**20) if v is not None else "-"
+
+
+def _kb(v: int | None) -> str:
+    return _speed(v / 2**10) if v is not None else "-"
+
+
+def print_configs(configs: list[dict[str, Any]], console: Any) -> None:
+    """Per config: quantization and dtype as loaded, weights and KV cache per token, RSS."""
+    t = _table(
+        "configs (RSS is the whole process, every config loaded)",
+        ["config", "loaded as", "target MB", "KV KB/tok", "draft MB", "KV KB/tok",
+         "load +RSS MB", "peak RSS MB"],
+    )  # fmt: skip
+    for c in configs:
+        m, mem = c["models"], c["memory"]
+        tgt, drf = m["target"], m.get("draft")
+        quants = f"{tgt['quant']}/{drf['quant']}" if drf else tgt["quant"]
+        t.add_row(
+            c["label"],
+            f"{quants} {tgt['dtype']}",
+            _mb(mem["target_weight_bytes"]),
+            _kb(mem["target_kv_bytes_per_token"]),
+            _mb(mem["draft_weight_bytes"]),
+            _kb(mem["draft_kv_bytes_per_token"]),
+            _mb(mem.get("load_rss_delta_bytes")),
+            _mb(mem.get("peak_rss_bytes")),
+        )
+    console.print(t)
+
+
 def print_result(data: dict[str, Any], console: Any) -> None:
+    """The tables of a result.json, this version's or an earlier one's (no configs, no
+    reference: one config, ratios against plain and hf-generate)."""
     env, models, cfg = data["environment"], data["models"], data["config"]
+    configs = data.get("configs") or []
+    several = len(configs) > 1
     tgt, drf = models["target"], models.get("draft")
-    head = f"target {tgt['name']} ({tgt['dtype']}, {tgt['quant']})"
-    if drf:
-        head += f", draft {drf['name']} ({drf['dtype']}, {drf['quant']})"
+    if several:
+        head = f"target {tgt['name']}" + (f", draft {drf['name']}" if drf else "")
+        head += f"; configs {', '.join(c['label'] for c in configs)}"
+    else:
+        head = f"target {tgt['name']} ({tgt['dtype']}, {tgt['quant']})"
+        if drf:
+            head += f", draft {drf['name']} ({drf['dtype']}, {drf['quant']})"
     dec = cfg["decode"]
     console.print(
         f"[bold]{head}[/bold]\n"
@@ -322,36 +453,48 @@ def print_result(data: dict[str, Any], console: Any) -> None:
         f"repeats, max_new_tokens {dec['max_new_tokens']}, temperature {dec['temperature']}, "
         f"seed {cfg['seed']}"
     )
+    if several:
+        print_configs(configs, console)
     summary = data["summary"]
-    ok_arms = [a for a in data["arms"] if summary[a]["status"] == "ok"]
+    arms = data["arms"]
+    ok_arms = [a for a in arms if summary[a]["status"] == "ok"]
     notes = [
-        f"{a}: {summary[a]['status']}: {summary[a].get('reason')}"
-        for a in data["arms"]
-        if a not in ok_arms
+        f"{a}: {summary[a]['status']}: {summary[a].get('reason')}" for a in arms if a not in ok_arms
     ]
+    reference = data.get("reference")
+    hf_gen = next((a for a in arms if _mode(a) == "hf-generate"), None)
+    show_ref = (
+        reference is not None and reference != hf_gen and not (not several and reference == "plain")
+    )
+    ratio_notes = ["×plain: against the plain arm of the same config"] if several else []
+    if show_ref:
+        ratio_notes.append(f"×ref: against {reference}")
+    first = "arm" if several else "mode"
     speed = _table(
         "speed (medians over runs; ratios paired within each block)",
-        ["mode", "tok/s", "range", "×plain", "×hf-gen", "TTFT ms", "p50 ms", "p95 ms",
-         "RSS MB", "=plain"],
+        [first, "tok/s", "range", "×plain", "×hf-gen", *(["×ref"] if show_ref else []),
+         "TTFT ms", "p50 ms", "p95 ms", "RSS MB", "=plain"],
     )  # fmt: skip
     decoding = _table(
         "decoding",
-        ["mode", "accept", "acc len", "tok/pass", "accept by position %", "exit",
+        [first, "accept", "acc len", "tok/pass", "accept by position %", "exit",
          "layers", "fallbacks"],
     )  # fmt: skip
-    for arm in data["arms"]:
+    for arm in arms:
         f = summary[arm]
         if arm not in ok_arms:
-            speed.add_row(arm, f"[dim]{f['status']}[/dim]", *[""] * 8)
+            speed.add_row(arm, f"[dim]{f['status']}[/dim]", *[""] * (len(speed.columns) - 2))
             continue
         tps = f["tokens_per_s"]
         same = f.get("same_tokens_as_plain")
+        ref_cell = [_ratio(f.get("speedup_vs_reference"))] if show_ref else []
         speed.add_row(
             arm,
             _speed(tps["median"]),
             f"{_speed(tps['min'])}-{_speed(tps['max'])}",
             _ratio(f.get("speedup_vs_plain")),
             _ratio(f.get("speedup_vs_hf-generate")),
+            *ref_cell,
             _num(f["ttft_s"] * 1e3 if f["ttft_s"] is not None else None, "{:.0f}"),
             _num(f["latency_ms"]["p50"]),
             _num(f["latency_ms"]["p95"]),
@@ -370,6 +513,8 @@ def print_result(data: dict[str, Any], console: Any) -> None:
             str(f["fallbacks"]),
         )
     console.print(speed)
+    if ratio_notes:
+        console.print(f"[dim]{'; '.join(ratio_notes)}[/dim]")
     console.print(decoding)
 
     kinds = data.get("by_kind") or {}
@@ -383,7 +528,7 @@ def print_result(data: dict[str, Any], console: Any) -> None:
             for a in arms:
                 f = per_arm[a]
                 cell = _speed(f["tokens_per_s"]["median"])
-                if a != "plain" and "speedup_vs_plain" in f:
+                if _mode(a) != "plain" and "speedup_vs_plain" in f:
                     cell += f" ({_ratio(f['speedup_vs_plain'])})"
                 cells.append(cell)
             kt.add_row(kind, *cells)
