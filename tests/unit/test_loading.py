@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specchat.engine.config import QuantMode
+from specchat.engine import loading
 from specchat.engine.errors import ModelLoadError
 from specchat.engine.loading import _approx_params, default_quant, pick_device, pick_dtype
 from specchat.tui.commands import common
@@ -15,11 +16,18 @@ from specchat.tui.commands import common
 
 def test_default_quant_by_device_and_role() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert default_quant("target", cpu, 1_500_000_000) is QuantMode.INT8
-    assert default_quant("draft", cpu, 500_000_000) is QuantMode.INT4
+    assert default_quant("target", cpu, 1_500_000_000) is QuantMode.W8A8  # fbgemm: x86
+    assert default_quant("draft", cpu, 500_000_000) is QuantMode.W8A8
     assert default_quant("target", cuda, 1_500_000_000) is QuantMode.BNB_NF4
     assert default_quant("draft", cuda, 500_000_000) is QuantMode.BNB_NF4
     assert default_quant("target", cpu, 292_800) is QuantMode.NONE
+
+
+def test_default_quant_without_fbgemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loading, "has_fbgemm", lambda: False)
+    cpu = torch.device("cpu")
+    assert default_quant("target", cpu, 1_500_000_000) is QuantMode.INT8
+    assert default_quant("draft", cpu, 500_000_000) is QuantMode.INT4
 
 
 def test_approx_params_of_the_default_target_shape() -> None:
