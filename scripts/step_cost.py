@@ -57,6 +57,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--blocks", default="2,3,5,9", help="verify block sizes (K+1)")
+    ap.add_argument(
+        "--draft-vocab", type=int, default=0, help="shortlist head for the second model"
+    )
     args = ap.parse_args()
     blocks = [int(b) for b in args.blocks.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
