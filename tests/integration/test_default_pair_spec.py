@@ -1,6 +1,7 @@
 """The embedded default pair, end to end: speculative greedy output equals plain, acceptance is high.
 
 Float32 on the CPU (exactness needs it); 32 new tokens of a code prompt.
+test_default_pair_quantized.py does the same with the default quantization.
 Needs the pair in the cache (the test command runs `specchat models fetch`
 first); skips with the reason otherwise.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from specchat.engine import registry
-from specchat.engine.config import DecodeConfig, Mode, ModelSpec
+from specchat.engine.config import DecodeConfig, Mode, ModelSpec, QuantMode
 from specchat.engine.errors import FetchError
 from specchat.engine.events import TokenEvent, TurnFinished
 from specchat.engine.session import ChatSession
@@ -20,15 +21,21 @@ pytestmark = pytest.mark.slow
 PROMPT = "Write a Python function is_palindrome(s) that ignores case and punctuation."
 
 
-@pytest.fixture(scope="module")
-def session() -> ChatSession:
+def load_pair(quant: QuantMode | None) -> ChatSession:
     target, draft = registry.DEFAULT_PAIR
     try:
         for name in (target, draft):
             registry.resolve(name, fetch=False)
     except FetchError as exc:
         pytest.skip(f"default pair not cached: {exc.message}")
-    return ChatSession.load(ModelSpec(target, dtype="float32"), ModelSpec(draft, dtype="float32"))
+    return ChatSession.load(
+        ModelSpec(target, quant, dtype="float32"), ModelSpec(draft, quant, dtype="float32")
+    )
+
+
+@pytest.fixture(scope="module")
+def session() -> ChatSession:
+    return load_pair(QuantMode.NONE)
 
 
 def reply(session: ChatSession, cfg: DecodeConfig) -> tuple[list[int], TurnFinished]:

@@ -1,0 +1,30 @@
+"""The embedded default pair as `specchat` runs it on a CPU: the automatic quantization
+(w8a8 target and draft on x86), greedy speculative output equal to plain output of the
+same quantized target. Its own module, so the float32 pair of test_default_pair_spec.py
+is released before this one loads.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from specchat.engine import loading
+from specchat.engine.config import DecodeConfig, Mode
+from tests.integration.test_default_pair_spec import load_pair, reply
+
+pytestmark = pytest.mark.slow
+
+
+def test_greedy_speculative_equals_plain_with_the_default_quantization() -> None:
+    session = load_pair(None)
+    assert session.target.info.quant == ("w8a8" if loading.has_fbgemm() else "int8")
+    plain, p = reply(session, DecodeConfig(mode=Mode.PLAIN, max_new_tokens=32))
+    spec, s = reply(session, DecodeConfig(mode=Mode.SPEC, k=4, max_new_tokens=32))
+    assert spec == plain
+    assert len(plain) == 32
+    assert "is_palindrome" in p.stats.text
+    assert s.stats.acceptance_rate is not None and s.stats.acceptance_rate > 0.5
+    print(
+        f"\n{session.target.info.quant}: plain {p.stats.tokens_per_s:.2f} tok/s, "
+        f"spec {s.stats.tokens_per_s:.2f} tok/s, acceptance {s.stats.acceptance_rate:.2f}"
+    )
