@@ -98,6 +98,7 @@ class ReplyView(Vertical):
         self.cursor: int | None = None
         self.ab_of: ReplyView | None = None  # set on the plain reply of an A/B comparison
         self._markdown_text: str | None = None
+        self._mounted = False
 
     def compose(self) -> ComposeResult:
         yield Static(self._header(), classes="reply-header", markup=False)
@@ -106,6 +107,7 @@ class ReplyView(Vertical):
         yield Static("", classes="reply-status", markup=False)
 
     def on_mount(self) -> None:
+        self._mounted = True  # `is_mounted` only turns true after this handler
         self._sync()
 
     # -- state -----------------------------------------------------------
@@ -152,7 +154,7 @@ class ReplyView(Vertical):
 
     def _sync(self) -> None:
         """Bring the children up to date (messages may arrive before they are mounted)."""
-        if not self.is_mounted:
+        if not self._mounted:
             return
         try:
             self.query_one(".reply-header", Static).update(self._header())
@@ -183,7 +185,7 @@ class ReplyView(Vertical):
         return not self.finished or self.view == "tokens" or self.cursor is not None or not self.tokens
 
     def _apply_view(self) -> None:
-        if not self.is_mounted:
+        if not self._mounted:
             return
         tokens = self.showing_tokens
         try:
