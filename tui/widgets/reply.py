@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from rich.style import Style
 from rich.text import Text
 from textual import events
@@ -129,10 +131,12 @@ class ReplyView(Vertical):
         self.started = started
         self._sync()
 
-    def add_round(self, tokens: tuple[TokenEvent, ...], rnd: RoundEvent | None) -> None:
-        self.tokens.extend(tokens)
-        if rnd is not None:
-            self.rounds[rnd.round] = rnd
+    def add_rounds(self, rounds: Iterable[tuple[tuple[TokenEvent, ...], RoundEvent | None]]) -> None:
+        """Take a batch of rounds (tokens, then the round record or None); one redraw."""
+        for tokens, rnd in rounds:
+            self.tokens.extend(tokens)
+            if rnd is not None:
+                self.rounds[rnd.round] = rnd
         self._sync()
 
     def finish(self, outcome: TurnFinished | Cancelled | Failed) -> None:
