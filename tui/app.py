@@ -21,6 +21,9 @@ never less than `redraw_interval` nor more than LONGEST_WAIT seconds. A
 redraw shows all the rounds that arrived since: the worker's
 `RoundsCompleted` batch stays open until the UI takes it. The panels redraw
 at most every `panel_interval` seconds, in the same frame as the reply.
+A slow model gets smooth updates (a line that grows only repaints); a fast
+one, whose reply adds lines (a layout of the whole screen) at every redraw,
+gets fewer. Measured in docs/ui.md.
 """
 
 from __future__ import annotations

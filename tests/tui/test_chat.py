@@ -8,6 +8,7 @@ import threading
 from typing import Any
 
 from rich.console import Console
+from rich.text import Text
 from textual.color import Color
 from textual.widgets import ProgressBar
 from tui_helpers import (
@@ -32,6 +33,7 @@ from specchat.tui.widgets.inspector import Inspector
 from specchat.tui.widgets.prompt import PromptInput
 from specchat.tui.widgets.reply import ReplyView, TokenBody
 from specchat.tui.widgets.status import LoadView, StatusLine
+from specchat.tui.widgets.token_body import TokenParagraph
 from specchat.tui.widgets.transcript import Note, Transcript
 
 
@@ -83,7 +85,9 @@ async def test_streams_every_round_in_batches_and_styles_by_provenance() -> None
         await pilot.press("ctrl+t")
         assert reply.showing_tokens
         body = reply.query_one(TokenBody)
-        text = body.render()
+        shown = [p.content for p in body.query(TokenParagraph)]  # one widget per paragraph
+        assert all(isinstance(p, Text) for p in shown)
+        text = Text("\n").join(shown)
         assert text.plain == reply.text
         spans = [s for s in text.spans if s.style.meta.get("token") is not None]
         by_index = {s.style.meta["token"]: s.style for s in spans}
