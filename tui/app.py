@@ -364,8 +364,7 @@ class SpecChatApp(App[None]):
         self.state.metrics.start_turn(message.submitted)
         self.state.context_tokens = message.started.prompt_tokens
         self._next_redraw = float("-inf")
-        self._ui_cpu = time.thread_time()
-        self._schedule_panels()
+        self._ui_cpu = time.thread_time()  # the panels redraw with the first rounds
 
     def on_rounds_completed(self, message: RoundsCompleted) -> None:
         self._batches.append(message)

@@ -8,6 +8,7 @@ from textual.app import ComposeResult
 from textual.widget import Widget
 from textual.widgets import Sparkline
 
+from ..redraw import redraw
 from ..state import ChatState
 from .base import Panel, bar, key_values, ms, pct
 
@@ -77,4 +78,4 @@ class LatencyPanel(Panel):
         self.query_one(Sparkline).data = data
         for part in self.query(_LatencyText):
             part.state = state
-            part.refresh(layout=True)
+            redraw(part)
