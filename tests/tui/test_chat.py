@@ -138,6 +138,56 @@ async def test_tokens_appear_while_streaming_and_cancel_keeps_the_session() -> N
         assert app.query_one(PromptInput).history == ["first", "second"]
 
 
+async def test_rounds_wait_for_the_next_redraw_and_the_end_shows_them_all(monkeypatch: Any) -> None:
+    monkeypatch.setattr("specchat.tui.app.LONGEST_WAIT", 3600.0)
+    gated = GatedSession(ReplaySession(TRACE))
+    app = make_app(gated, redraw_interval=3600.0)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press(*"first", "enter")
+        # the first rounds show at once
+        await wait_until(pilot, lambda: bool(replies(app)) and bool(replies(app)[0].tokens))
+        reply = replies(app)[0]
+        shown = len(reply.tokens)
+        # later rounds wait in the open batch until the next redraw (an hour away here)
+        gated.release(3)
+        await wait_until(pilot, lambda: gated.rounds_out >= 4)
+        await pilot.pause(0.1)
+        assert len(reply.tokens) == shown and not reply.finished
+        # the end of the reply takes everything still batched: nothing is lost
+        gated.release(1000)
+        await wait_until(pilot, lambda: reply.finished)
+        assert isinstance(reply.outcome, TurnFinished)
+        assert len(reply.tokens) == reply.outcome.stats.tokens
+        assert len(reply.rounds) == app.state.metrics.rounds == reply.outcome.stats.rounds
+
+
+async def test_a_theme_change_restyles_the_tokens_on_screen() -> None:
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "What is speculative decoding?")
+        await pilot.press("ctrl+t")
+        (reply,) = replies(app)
+        body = reply.query_one(TokenBody)
+
+        def first_colour() -> tuple[int, int, int]:
+            text = body.query(TokenParagraph).first().content
+            assert isinstance(text, Text)
+            span = next(s for s in text.spans if s.style.meta.get("token") == 0)
+            return span.style.color.triplet  # type: ignore[union-attr, return-value]
+
+        provenance = reply.tokens[0].provenance.value
+        assert first_colour() == Color.parse(app.theme_variables[f"token-{provenance}"]).rgb
+        before = first_colour()
+        app.theme = "specchat-light"
+        await pilot.pause()
+        await pilot.pause()
+        after = Color.parse(app.theme_variables[f"token-{provenance}"]).rgb
+        assert after != before  # the two themes colour this provenance differently
+        assert first_colour() == after
+
+
 async def test_inspector_shows_where_a_token_came_from() -> None:
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:
