@@ -83,7 +83,7 @@ from .widgets.transcript import Note, Transcript, UserMessage
 # Runs in the load worker thread: build the session, reporting progress.
 Loader = Callable[[Callable[[LoadProgress], None]], Any]
 
-LONGEST_WAIT = 1.0  # seconds: a streaming reply is redrawn at least this often
+LONGEST_WAIT = 0.5  # seconds: a streaming reply is redrawn at least this often
 
 
 class SpecChatApp(App[None]):

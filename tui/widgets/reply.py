@@ -20,7 +20,7 @@ from specchat.engine.events import (
     TurnStarted,
 )
 
-from .token_body import TokenBody
+from .token_body import STILL_VIRTUAL_SIZE, TokenBody
 
 __all__ = ["ReplyView", "TokenBody"]
 
@@ -39,6 +39,7 @@ class ReplyView(Vertical):
     ReplyView > .reply-header { height: 1; }
     ReplyView > .reply-status { height: auto; }
     """
+    virtual_size = STILL_VIRTUAL_SIZE
 
     def __init__(self, reply_id: int, *, label: str = "assistant", view: str = "markdown") -> None:
         super().__init__(classes="reply")

@@ -18,7 +18,9 @@ from rich.style import Style
 from rich.text import Text
 from textual import events
 from textual.containers import Vertical
+from textual.geometry import Size
 from textual.message import Message
+from textual.reactive import Reactive
 from textual.widgets import Static
 
 from specchat.engine.events import Provenance, TokenEvent
@@ -67,10 +69,17 @@ def extend_paragraphs(
                 paragraphs[-1].append(piece, style)
 
 
+# Textual lays the whole screen out a second time, in the next frame, when a
+# widget's virtual (scrollable) size changes. These widgets do not scroll and
+# have just been laid out at their new size: a repaint is all they need.
+STILL_VIRTUAL_SIZE: Reactive[Size] = Reactive(Size(0, 0), layout=False)
+
+
 class TokenParagraph(Static):
     """One paragraph of a reply's tokens."""
 
     DEFAULT_CSS = "TokenParagraph { height: auto; }"
+    virtual_size = STILL_VIRTUAL_SIZE
 
 
 class TokenBody(Vertical):
@@ -83,6 +92,7 @@ class TokenBody(Vertical):
 
     COMPONENT_CLASSES = TOKEN_COMPONENTS
     DEFAULT_CSS = token_css("TokenBody") + "\nTokenBody { height: auto; }"
+    virtual_size = STILL_VIRTUAL_SIZE
 
     class Clicked(Message):
         """A token was clicked."""
