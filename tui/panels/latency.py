@@ -10,7 +10,7 @@ from textual.widgets import Sparkline
 
 from ..redraw import redraw
 from ..state import ChatState
-from .base import Panel, bar, key_values, ms, pct
+from .base import KeyValues, Panel, bar, key_values, ms, pct
 
 SPARK_POINTS = 64
 RECENT_ROUNDS = 3
@@ -24,7 +24,7 @@ class _LatencyText(Widget):
         self.state = state
         self.part = part
 
-    def render(self) -> Group | Text:
+    def render(self) -> Group | KeyValues:
         m = self.state.metrics
         if self.part == "head":
             return key_values(

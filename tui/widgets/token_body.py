@@ -140,8 +140,9 @@ class TokenBody(Vertical):
         tokens = reply.tokens
         cursor = reply.cursor
         restyled = self._styles is None
-        if restyled:
+        if self._styles is None:
             self._styles = provenance_styles(self)
+        styles = self._styles
         if not tokens:
             self._show([Text(end="")] if reply.finished else [PLACEHOLDER.copy()])
             self._built = None
@@ -149,12 +150,12 @@ class TokenBody(Vertical):
             if self._built == len(tokens):
                 return
             first = len(self._paragraphs) - 1
-            extend_paragraphs(self._paragraphs, tokens[self._built :], self._built, self._styles)
+            extend_paragraphs(self._paragraphs, tokens[self._built :], self._built, styles)
             self._built = len(tokens)
             self._update(range(first, len(self._paragraphs)))
         else:
             paragraphs: list[Text] = []
-            extend_paragraphs(paragraphs, tokens, 0, self._styles, cursor, cursor_style(self))
+            extend_paragraphs(paragraphs, tokens, 0, styles, cursor, cursor_style(self))
             self._show(paragraphs)
             self._built = len(tokens) if cursor is None else None
         self._cursor = cursor
