@@ -4,13 +4,26 @@ Message flow (see tui/messages.py):
 
     load worker ── LoadUpdated* ── BackendReady | BackendFailed ──▶ app
     prompt ⏎ ──▶ generate worker: backend.stream(prompt, config, cancel)
-                 ── GenerationStarted, RoundCompleted (one per round), EngineNotice,
+                 ── GenerationStarted, RoundsCompleted (batches), EngineNotice,
                     GenerationEnded ──▶ app ──▶ reply widget, metrics, panels
     probe thread ── SystemSampled ──▶ app ──▶ devices panel
 
 Workers only post messages; every widget changes on the UI thread. All
 calls into the engine session happen in worker threads, one at a time
 (`_engine_lock`), so torch never runs on the UI thread.
+
+The UI's cost comes out of the engine's speed: on a small model decoding is
+mostly Python, so every millisecond the UI thread holds the GIL is one the
+engine waits. So while a reply streams, the UI thread keeps to a budget:
+after each redraw of the reply it waits until the CPU time it spent since the
+previous one (frames included) is at most `ui_budget` of the wall time, and
+never less than `redraw_interval` nor more than LONGEST_WAIT seconds. A
+redraw shows all the rounds that arrived since: the worker's
+`RoundsCompleted` batch stays open until the UI takes it. The panels redraw
+at most every `panel_interval` seconds, in the same frame as the reply.
+A slow model gets smooth updates (a line that grows only repaints); a fast
+one, whose reply adds lines (a layout of the whole screen) at every redraw,
+gets fewer. Measured in docs/ui.md.
 """
 
 from __future__ import annotations
@@ -26,6 +39,7 @@ from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
+from textual.timer import Timer
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from specchat.engine.config import DecodeConfig, Mode
@@ -50,7 +64,8 @@ from .messages import (
     GenerationEnded,
     GenerationStarted,
     LoadUpdated,
-    RoundCompleted,
+    RoundsCompleted,
+    StreamedRound,
     SystemSampled,
 )
 from .panels import PANEL_TYPES, Panel
@@ -67,6 +82,8 @@ from .widgets.transcript import Note, Transcript, UserMessage
 
 # Runs in the load worker thread: build the session, reporting progress.
 Loader = Callable[[Callable[[LoadProgress], None]], Any]
+
+LONGEST_WAIT = 0.5  # seconds: a streaming reply is redrawn at least this often
 
 
 class SpecChatApp(App[None]):
@@ -90,6 +107,9 @@ class SpecChatApp(App[None]):
         models_label: str = "",
         sample_system: bool = True,
         sample_interval: float = 1.0,
+        redraw_interval: float = 0.1,
+        panel_interval: float = 0.5,
+        ui_budget: float = 0.03,
     ) -> None:
         super().__init__()
         self.loader = loader
@@ -101,6 +121,9 @@ class SpecChatApp(App[None]):
         self.models_label = models_label
         self.sample_system = sample_system
         self.sample_interval = sample_interval
+        self.redraw_interval = redraw_interval
+        self.panel_interval = panel_interval
+        self.ui_budget = ui_budget
         self.backend: Any = None
         self.load_error: BackendFailed | None = None
         self._theme_request = theme or self.settings.theme
@@ -113,6 +136,12 @@ class SpecChatApp(App[None]):
         self._reset_pending = False
         self._mode_before_plain: Mode = Mode.SPEC
         self._panels_scheduled = False
+        self._batches: list[RoundsCompleted] = []  # handed over, not yet shown
+        self._batch_timer: Timer | None = None
+        self._next_redraw = float("-inf")  # time.monotonic() of the earliest next reply redraw
+        self._ui_cpu = 0.0  # time.thread_time() of the UI thread at the last redraw
+        self._last_panels = float("-inf")
+        self._panels: list[Panel] = []
         self._sampler: Any = None
         self._started = False
         self._told_unsaved = False
@@ -270,12 +299,21 @@ class SpecChatApp(App[None]):
     def _generate(
         self, reply_id: int, kind: str, prompt: str | None, config: DecodeConfig, reset: bool
     ) -> None:
-        """Stream one reply, posting one message per round."""
+        """Stream one reply, handing rounds to the UI in batches (see RoundsCompleted)."""
         cancel = get_current_worker().cancelled_event
         backend = self.backend
         outcome: TurnFinished | Cancelled | Failed | None = None
         pending: list[TokenEvent] = []
         emitted = 0
+        batch: RoundsCompleted | None = None
+
+        def hand_over(tokens: tuple[TokenEvent, ...], rnd: RoundEvent | None) -> None:
+            nonlocal batch
+            if batch is None or not batch.add(tokens, rnd):
+                batch = RoundsCompleted(reply_id)
+                batch.add(tokens, rnd)
+                self.post_message(batch)
+
         try:
             with self._engine_lock:
                 if reset:
@@ -292,7 +330,7 @@ class SpecChatApp(App[None]):
                         pending.append(ev)
                     elif isinstance(ev, RoundEvent):
                         emitted += len(pending)
-                        self.post_message(RoundCompleted(reply_id, tuple(pending), ev))
+                        hand_over(tuple(pending), ev)
                         pending = []
                     elif isinstance(ev, TurnStarted):
                         self.post_message(GenerationStarted(reply_id, ev, submitted))
@@ -310,7 +348,7 @@ class SpecChatApp(App[None]):
         finally:
             if pending:
                 emitted += len(pending)
-                self.post_message(RoundCompleted(reply_id, tuple(pending), None))
+                hand_over(tuple(pending), None)
             if outcome is None:
                 if cancel.is_set():
                     outcome = Cancelled(emitted)
@@ -325,20 +363,48 @@ class SpecChatApp(App[None]):
         reply.start(message.started)
         self.state.metrics.start_turn(message.submitted)
         self.state.context_tokens = message.started.prompt_tokens
-        self._schedule_panels()
+        self._next_redraw = float("-inf")
+        self._ui_cpu = time.thread_time()  # the panels redraw with the first rounds
 
-    def on_round_completed(self, message: RoundCompleted) -> None:
-        reply = self._replies.get(message.reply_id)
-        if reply is None:
-            return
-        reply.add_round(message.tokens, message.round)
+    def on_rounds_completed(self, message: RoundsCompleted) -> None:
+        self._batches.append(message)
+        if self._batch_timer is not None:
+            return  # a redraw is due; the batch keeps filling until then
+        wait = self._next_redraw - time.monotonic()
+        if wait > 0:
+            self._batch_timer = self.set_timer(wait, self._show_rounds)
+        else:
+            self._show_rounds()
+
+    def _show_rounds(self) -> None:
+        """Take every batch handed over so far into the replies and metrics: one redraw."""
+        if self._batch_timer is not None:
+            self._batch_timer.stop()
+            self._batch_timer = None
+        batches, self._batches = self._batches, []
+        shown = False
+        for batch in batches:
+            rounds = batch.take()
+            reply = self._replies.get(batch.reply_id)
+            if reply is not None and rounds:
+                self._apply_rounds(reply, rounds)
+                shown = True
+        now = time.monotonic()
+        if shown and now - self._last_panels >= self.panel_interval:
+            self._refresh_panels()  # in the same frame as the reply
+        cpu = time.thread_time()  # this thread's CPU time: handlers and frames since the last redraw
+        spent, self._ui_cpu = cpu - self._ui_cpu, cpu
+        self._next_redraw = now + min(LONGEST_WAIT, max(self.redraw_interval, spent / self.ui_budget))
+
+    def _apply_rounds(self, reply: ReplyView, rounds: tuple[StreamedRound, ...]) -> None:
+        reply.add_rounds(rounds)
         metrics = self.state.metrics
-        for tok in message.tokens:
-            metrics.observe(tok)
-        if message.round is not None:
-            metrics.observe(message.round)
-        self.state.context_tokens += len(message.tokens)
-        self._schedule_panels()
+        for tokens, rnd in rounds:
+            for tok in tokens:
+                metrics.observe(tok)
+            if rnd is not None:
+                metrics.observe(rnd)
+            self.state.context_tokens += len(tokens)
 
     def on_engine_notice(self, message: EngineNotice) -> None:
         if message.reply_id is not None and message.reply_id not in self._replies:
@@ -346,6 +412,7 @@ class SpecChatApp(App[None]):
         self._note(message.notice.message, level="warning" if message.notice.level == "warning" else "info")
 
     def on_generation_ended(self, message: GenerationEnded) -> None:
+        self._show_rounds()  # the last rounds first: the final state holds every token
         if self._busy == message.reply_id:
             self._busy = None
             self._stopping = False
@@ -362,7 +429,7 @@ class SpecChatApp(App[None]):
                 self.query_one(PromptInput).restore(prompt)
         if reply.ab_of is not None and isinstance(outcome, TurnFinished):
             self._finish_ab(reply.ab_of, reply)
-        self._schedule_panels()
+        self._refresh_panels()  # the reply's final figures at once
 
     # -- actions ---------------------------------------------------------
 
@@ -577,11 +644,14 @@ class SpecChatApp(App[None]):
     def _schedule_panels(self) -> None:
         if not self._panels_scheduled:
             self._panels_scheduled = True
-            self.set_timer(0.1, self._refresh_panels)
+            self.set_timer(self.redraw_interval, self._refresh_panels)
 
     def _refresh_panels(self) -> None:
         self._panels_scheduled = False
-        for panel in self.query(Panel):
+        self._last_panels = time.monotonic()
+        if not self._panels:
+            self._panels = list(self.query(Panel))
+        for panel in self._panels:
             if panel.display:
                 panel.refresh_from(self.state)
 

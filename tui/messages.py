@@ -1,12 +1,14 @@
 """Messages the worker threads post to the app, each wrapping engine events.
 
 Workers only ever call `post_message` with these (thread-safe); all widget
-state changes happen in the handlers, on the UI thread. Generation posts one
-`RoundCompleted` per round, never one message per token.
+state changes happen in the handlers, on the UI thread. Generation hands
+rounds over in `RoundsCompleted` batches: one message per redraw of the
+reply, never one per token (nor, on a fast model, one per round).
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,17 +64,45 @@ class GenerationStarted(Message):
     submitted: float
 
 
-@dataclass
-class RoundCompleted(Message):
-    """One decoding round of reply `reply_id`: its tokens, then the round record.
+# One decoding round as the UI receives it: its tokens, then its record (None
+# when the stream ended mid-round; those tokens are still shown).
+StreamedRound = tuple[tuple[TokenEvent, ...], RoundEvent | None]
 
-    `round` is None when tokens arrive without a closing round (the stream
-    ended mid-round); those tokens are still shown.
+
+class RoundsCompleted(Message):
+    """Decoding rounds of reply `reply_id`, in order, handed over as one batch.
+
+    The generate worker posts a batch and keeps adding rounds to it until the
+    UI thread takes it (at most one redraw per interval); the next round
+    opens a new batch. Every round arrives once, in order; the number of
+    messages follows the redraw rate, not the decoding rate.
     """
 
-    reply_id: int
-    tokens: tuple[TokenEvent, ...]
-    round: RoundEvent | None
+    def __init__(self, reply_id: int) -> None:
+        super().__init__()
+        self.reply_id = reply_id
+        self._lock = threading.Lock()
+        self._rounds: list[StreamedRound] = []
+        self._taken = False
+
+    def add(self, tokens: tuple[TokenEvent, ...], rnd: RoundEvent | None) -> bool:
+        """Worker side: add a round; False once the UI has taken the batch (open a new one)."""
+        with self._lock:
+            if self._taken:
+                return False
+            self._rounds.append((tokens, rnd))
+            return True
+
+    def take(self) -> tuple[StreamedRound, ...]:
+        """UI side: close the batch and return its rounds."""
+        with self._lock:
+            self._taken = True
+            return tuple(self._rounds)
+
+    @property
+    def rounds(self) -> tuple[StreamedRound, ...]:
+        with self._lock:
+            return tuple(self._rounds)
 
 
 @dataclass

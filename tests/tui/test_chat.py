@@ -8,6 +8,7 @@ import threading
 from typing import Any
 
 from rich.console import Console
+from rich.text import Text
 from textual.color import Color
 from textual.widgets import ProgressBar
 from tui_helpers import (
@@ -24,14 +25,15 @@ from tui_helpers import (
 
 from specchat.engine.config import Mode
 from specchat.engine.errors import EngineError
-from specchat.engine.events import LoadProgress, Provenance, TokenEvent, TurnFinished
+from specchat.engine.events import LoadProgress, Provenance, RoundEvent, TokenEvent, TurnFinished
 from specchat.engine.replay import ReplaySession
-from specchat.tui.messages import RoundCompleted, SystemSampled
+from specchat.tui.messages import RoundsCompleted, SystemSampled
 from specchat.tui.panels import AcceptancePanel, DevicesPanel, EarlyExitPanel, LatencyPanel
 from specchat.tui.widgets.inspector import Inspector
 from specchat.tui.widgets.prompt import PromptInput
 from specchat.tui.widgets.reply import ReplyView, TokenBody
 from specchat.tui.widgets.status import LoadView, StatusLine
+from specchat.tui.widgets.token_body import TokenParagraph
 from specchat.tui.widgets.transcript import Note, Transcript
 
 
@@ -58,26 +60,34 @@ def replies(app: Any) -> list[ReplyView]:
     return list(app.query(ReplyView))
 
 
-async def test_streams_one_message_per_round_and_styles_by_provenance() -> None:
+async def test_streams_every_round_in_batches_and_styles_by_provenance() -> None:
     messages: list[Any] = []
     app = make_app()
     async with app.run_test(size=SIZE, message_hook=messages.append) as pilot:
         await ready(pilot)
         await send(pilot, "What is speculative decoding?")
         (reply,) = replies(app)
-        expected = [e for e in recorded_turn(1, Mode.SPEC) if isinstance(e, TokenEvent)]
-        assert [t.token_id for t in reply.tokens] == [t.token_id for t in expected]
+        recorded = recorded_turn(1, Mode.SPEC)
+        expected = [e for e in recorded if isinstance(e, TokenEvent)]
+        untimed = [dataclasses.replace(t, t=0.0) for t in reply.tokens]  # the replay re-times tokens
+        assert untimed == [dataclasses.replace(t, t=0.0) for t in expected]
         assert isinstance(reply.outcome, TurnFinished)
-        rounds = [m for m in messages if isinstance(m, RoundCompleted)]
-        assert len(rounds) == reply.outcome.stats.rounds
-        for m in rounds:  # one message per round, carrying that round's tokens only
-            assert m.round is not None and {t.round for t in m.tokens} == {m.round.round}
+        batches = [m for m in messages if isinstance(m, RoundsCompleted)]
+        streamed = [r for m in batches for r in m.rounds]
+        # every round once, in order, each with its own tokens; fewer messages than rounds is fine
+        assert [rnd for _, rnd in streamed] == [e for e in recorded if isinstance(e, RoundEvent)]
+        for tokens, rnd in streamed:
+            assert rnd is not None and {t.round for t in tokens} == {rnd.round}
+        assert 1 <= len(batches) <= len(streamed) == reply.outcome.stats.rounds
+        assert app.state.metrics.rounds == reply.outcome.stats.rounds
         # Markdown by default once finished; ctrl+t shows the tokens
         assert not reply.showing_tokens
         await pilot.press("ctrl+t")
         assert reply.showing_tokens
         body = reply.query_one(TokenBody)
-        text = body.render()
+        shown = [p.content for p in body.query(TokenParagraph)]  # one widget per paragraph
+        assert all(isinstance(p, Text) for p in shown)
+        text = Text("\n").join(shown)
         assert text.plain == reply.text
         spans = [s for s in text.spans if s.style.meta.get("token") is not None]
         by_index = {s.style.meta["token"]: s.style for s in spans}
@@ -129,6 +139,56 @@ async def test_tokens_appear_while_streaming_and_cancel_keeps_the_session() -> N
         await send(pilot, "second")
         assert isinstance(replies(app)[-1].outcome, TurnFinished)
         assert app.query_one(PromptInput).history == ["first", "second"]
+
+
+async def test_rounds_wait_for_the_next_redraw_and_the_end_shows_them_all(monkeypatch: Any) -> None:
+    monkeypatch.setattr("specchat.tui.app.LONGEST_WAIT", 3600.0)
+    gated = GatedSession(ReplaySession(TRACE))
+    app = make_app(gated, redraw_interval=3600.0)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press(*"first", "enter")
+        # the first rounds show at once
+        await wait_until(pilot, lambda: bool(replies(app)) and bool(replies(app)[0].tokens))
+        reply = replies(app)[0]
+        shown = len(reply.tokens)
+        # later rounds wait in the open batch until the next redraw (an hour away here)
+        gated.release(3)
+        await wait_until(pilot, lambda: gated.rounds_out >= 4)
+        await pilot.pause(0.1)
+        assert len(reply.tokens) == shown and not reply.finished
+        # the end of the reply takes everything still batched: nothing is lost
+        gated.release(1000)
+        await wait_until(pilot, lambda: reply.finished)
+        assert isinstance(reply.outcome, TurnFinished)
+        assert len(reply.tokens) == reply.outcome.stats.tokens
+        assert len(reply.rounds) == app.state.metrics.rounds == reply.outcome.stats.rounds
+
+
+async def test_a_theme_change_restyles_the_tokens_on_screen() -> None:
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "What is speculative decoding?")
+        await pilot.press("ctrl+t")
+        (reply,) = replies(app)
+        body = reply.query_one(TokenBody)
+
+        def first_colour() -> tuple[int, int, int]:
+            text = body.query(TokenParagraph).first().content
+            assert isinstance(text, Text)
+            span = next(s for s in text.spans if s.style.meta.get("token") == 0)
+            return span.style.color.triplet  # type: ignore[union-attr, return-value]
+
+        provenance = reply.tokens[0].provenance.value
+        assert first_colour() == Color.parse(app.theme_variables[f"token-{provenance}"]).rgb
+        before = first_colour()
+        app.theme = "specchat-light"
+        await pilot.pause()
+        await pilot.pause()
+        after = Color.parse(app.theme_variables[f"token-{provenance}"]).rgb
+        assert after != before  # the two themes colour this provenance differently
+        assert first_colour() == after
 
 
 async def test_inspector_shows_where_a_token_came_from() -> None:

@@ -8,8 +8,9 @@ from textual.app import ComposeResult
 from textual.widget import Widget
 from textual.widgets import Sparkline
 
+from ..redraw import redraw
 from ..state import ChatState
-from .base import Panel, bar, key_values, ms, pct
+from .base import KeyValues, Panel, bar, key_values, ms, pct
 
 SPARK_POINTS = 64
 RECENT_ROUNDS = 3
@@ -23,7 +24,7 @@ class _LatencyText(Widget):
         self.state = state
         self.part = part
 
-    def render(self) -> Group | Text:
+    def render(self) -> Group | KeyValues:
         m = self.state.metrics
         if self.part == "head":
             return key_values(
@@ -77,4 +78,4 @@ class LatencyPanel(Panel):
         self.query_one(Sparkline).data = data
         for part in self.query(_LatencyText):
             part.state = state
-            part.refresh(layout=True)
+            redraw(part)

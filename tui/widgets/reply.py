@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from rich.style import Style
+from collections.abc import Iterable
+
 from rich.text import Text
-from textual import events
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.css.query import NoMatches
-from textual.message import Message
 from textual.widgets import Markdown, Static
 
 from specchat.engine.config import DecodeConfig
@@ -21,53 +20,9 @@ from specchat.engine.events import (
     TurnStarted,
 )
 
-from .tokens import TOKEN_COMPONENTS, cursor_style, provenance_styles, token_css
+from .token_body import STILL_VIRTUAL_SIZE, TokenBody
 
-
-class TokenBody(Static):
-    """The reply's tokens as one Text, each span styled by provenance and tagged with its index."""
-
-    COMPONENT_CLASSES = TOKEN_COMPONENTS
-    DEFAULT_CSS = token_css("TokenBody")
-
-    class Clicked(Message):
-        """A token was clicked."""
-
-        def __init__(self, body: TokenBody, index: int) -> None:
-            super().__init__()
-            self.body = body
-            self.index = index
-
-    def __init__(self, reply: ReplyView, **kwargs: object) -> None:
-        super().__init__("", **kwargs)  # type: ignore[arg-type]
-        self.reply = reply
-
-    def render(self) -> Text:
-        reply = self.reply
-        styles = provenance_styles(self)
-        cursor = reply.cursor
-        out = Text(end="")
-        for i, tok in enumerate(reply.tokens):
-            style = styles[tok.provenance] + Style(meta={"token": i})
-            if i == cursor:
-                text = tok.text
-                if text == "" or text.isspace():
-                    # make an empty or blank token visible while it is selected
-                    marker = "∅" if text == "" else text.replace("\n", "⏎\n").replace(" ", "␣")
-                    out.append(marker, style + cursor_style(self))
-                else:
-                    out.append(text, style + cursor_style(self))
-            elif tok.text:
-                out.append(tok.text, style)
-        if not reply.tokens and not reply.finished:
-            out.append("…", Style(dim=True))
-        return out
-
-    def on_click(self, event: events.Click) -> None:
-        index = event.style.meta.get("token") if event.style else None
-        if isinstance(index, int):
-            event.stop()
-            self.post_message(self.Clicked(self, index))
+__all__ = ["ReplyView", "TokenBody"]
 
 
 class ReplyView(Vertical):
@@ -84,6 +39,7 @@ class ReplyView(Vertical):
     ReplyView > .reply-header { height: 1; }
     ReplyView > .reply-status { height: auto; }
     """
+    virtual_size = STILL_VIRTUAL_SIZE
 
     def __init__(self, reply_id: int, *, label: str = "assistant", view: str = "markdown") -> None:
         super().__init__(classes="reply")
@@ -97,15 +53,17 @@ class ReplyView(Vertical):
         self.config: DecodeConfig | None = None
         self.cursor: int | None = None
         self.ab_of: ReplyView | None = None  # set on the plain reply of an A/B comparison
+        self._markdown: Markdown | None = None  # mounted the first time the reply shows as Markdown
         self._markdown_text: str | None = None
+        self._mounted = False
 
     def compose(self) -> ComposeResult:
         yield Static(self._header(), classes="reply-header", markup=False)
         yield TokenBody(self)
-        yield Markdown("", open_links=False)
         yield Static("", classes="reply-status", markup=False)
 
     def on_mount(self) -> None:
+        self._mounted = True  # `is_mounted` only turns true after this handler
         self._sync()
 
     # -- state -----------------------------------------------------------
@@ -127,10 +85,12 @@ class ReplyView(Vertical):
         self.started = started
         self._sync()
 
-    def add_round(self, tokens: tuple[TokenEvent, ...], rnd: RoundEvent | None) -> None:
-        self.tokens.extend(tokens)
-        if rnd is not None:
-            self.rounds[rnd.round] = rnd
+    def add_rounds(self, rounds: Iterable[tuple[tuple[TokenEvent, ...], RoundEvent | None]]) -> None:
+        """Take a batch of rounds (tokens, then the round record or None); one redraw."""
+        for tokens, rnd in rounds:
+            self.tokens.extend(tokens)
+            if rnd is not None:
+                self.rounds[rnd.round] = rnd
         self._sync()
 
     def finish(self, outcome: TurnFinished | Cancelled | Failed) -> None:
@@ -152,16 +112,20 @@ class ReplyView(Vertical):
 
     def _sync(self) -> None:
         """Bring the children up to date (messages may arrive before they are mounted)."""
-        if not self.is_mounted:
+        if not self._mounted:
             return
         try:
-            self.query_one(".reply-header", Static).update(self._header())
+            header = self.query_one(".reply-header", Static)
             status = self.query_one(".reply-status", Static)
-            status.update(self._status())
-            status.display = self.outcome is not None and not isinstance(self.outcome, TurnFinished)
-            self.query_one(TokenBody).refresh(layout=True)
+            body = self.query_one(TokenBody)
         except NoMatches:
             return
+        header.update(self._header(), layout=False)  # always one line
+        show_status = self.outcome is not None and not isinstance(self.outcome, TurnFinished)
+        if show_status or status.display:
+            status.update(self._status())
+            status.display = show_status
+        body.sync()
         self._apply_view()
 
     # -- view ------------------------------------------------------------
@@ -183,21 +147,30 @@ class ReplyView(Vertical):
         return not self.finished or self.view == "tokens" or self.cursor is not None or not self.tokens
 
     def _apply_view(self) -> None:
-        if not self.is_mounted:
+        if not self._mounted:
             return
         tokens = self.showing_tokens
         try:
             body = self.query_one(TokenBody)
-            md = self.query_one(Markdown)
         except NoMatches:
             return
         body.display = tokens
-        md.display = not tokens
-        if not tokens:
-            text = self.text
-            if text != self._markdown_text:
-                self._markdown_text = text
-                md.update(text)
+        md = self._markdown
+        if tokens:
+            if md is not None:
+                md.display = False
+            return
+        text = self.text
+        if md is None:
+            # not composed up front: mounting it costs the UI thread at the start of every reply
+            self._markdown = Markdown(text, open_links=False)
+            self._markdown_text = text
+            self.mount(self._markdown, after=body)
+            return
+        md.display = True
+        if text != self._markdown_text:
+            self._markdown_text = text
+            md.update(text)
 
     def _header(self) -> Text:
         parts = [self.label]
