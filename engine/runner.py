@@ -3,7 +3,9 @@
 Invariant: the cache holds K/V for the first `cached` tokens of the sequence
 the caller tracks. `forward(seq)` feeds `seq[cached:]` and returns the logits
 of the last `keep` fed positions; `crop_to(n)` forgets everything after the
-first n tokens.
+first n tokens. A token's logits do not depend on how many tokens are fed
+with it (row-wise attention, engine/attention.py; batch-invariant quantized
+kernels, engine/quant.py): the basis of exact speculative decoding.
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
+from .attention import use_rowwise_attention
+
 
 class ModelRunner:
     def __init__(self, model: PreTrainedModel, device: torch.device) -> None:
         self.model = model
         self.device = device
+        use_rowwise_attention(model)
         self.cache = DynamicCache(config=model.config)
         self.cached = 0
         head = model.get_output_embeddings()

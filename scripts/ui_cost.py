@@ -46,10 +46,14 @@ DEFAULT_TARGET = str(ROOT.parent / "shared" / "models" / "stories260k")
 
 def model_flags(args: argparse.Namespace, mode: str) -> list[str]:
     flags = [
-        "--target", args.target,
-        "--threads", str(args.threads),
-        "--max-new-tokens", str(args.max_new_tokens),
-        "--temperature", "0",
+        "--target",
+        args.target,
+        "--threads",
+        str(args.threads),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--temperature",
+        "0",
     ]
     if mode == "spec":
         # the target drafts for itself: every draft is accepted, K+1 tokens a round
@@ -87,7 +91,15 @@ def run_app(args: argparse.Namespace, mode: str, profile: Path | None) -> dict[s
     """The app once, in a child process on a pseudo-terminal of `args.size`."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
-        cmd = [sys.executable, __file__, "--app-once", str(result), "--mode-once", mode, *forward(args)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--app-once",
+            str(result),
+            "--mode-once",
+            mode,
+            *forward(args),
+        ]
         if profile is not None:
             cmd += ["--profile-once", str(profile)]
         env = child_env()
@@ -116,12 +128,18 @@ def run_app(args: argparse.Namespace, mode: str, profile: Path | None) -> dict[s
 
 def forward(args: argparse.Namespace) -> list[str]:
     out = [
-        "--target", args.target,
-        "--threads", str(args.threads),
-        "--max-new-tokens", str(args.max_new_tokens),
-        "--k", str(args.k),
-        "--prompt", args.prompt,
-        "--size", f"{args.size[0]}x{args.size[1]}",
+        "--target",
+        args.target,
+        "--threads",
+        str(args.threads),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--k",
+        str(args.k),
+        "--prompt",
+        args.prompt,
+        "--size",
+        f"{args.size[0]}x{args.size[1]}",
     ]
     if args.draft:
         out += ["--draft", args.draft]
@@ -175,7 +193,9 @@ def app_once(args: argparse.Namespace) -> None:
     if args.profile_once:
         import cProfile
 
-        profiler = cProfile.Profile(time.thread_time)  # the UI thread, from enter to the end of the reply
+        profiler = cProfile.Profile(
+            time.thread_time
+        )  # the UI thread, from enter to the end of the reply
     cols, rows = args.size
     app.run(auto_pilot=drive, size=(cols, rows))
     if profiler is not None:
@@ -198,9 +218,13 @@ def parse_size(text: str) -> tuple[int, int]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--target", default=DEFAULT_TARGET)
-    p.add_argument("--draft", default=None, help="draft of the spec mode (default: the target itself)")
+    p.add_argument(
+        "--draft", default=None, help="draft of the spec mode (default: the target itself)"
+    )
     p.add_argument("--modes", nargs="+", default=["plain", "spec"], choices=["plain", "spec"])
     p.add_argument("--runs", type=int, default=3, help="runs of each side per mode")
     p.add_argument("--threads", type=int, default=1)
@@ -221,7 +245,12 @@ def main() -> int:
         args.profile.mkdir(parents=True, exist_ok=True)
     summary: list[str] = []
     for mode in args.modes:
-        rates: dict[str, list[float]] = {"headless": [], "app": [], "headless decode": [], "app decode": []}
+        rates: dict[str, list[float]] = {
+            "headless": [],
+            "app": [],
+            "headless decode": [],
+            "app decode": [],
+        }
         ui_share: list[float] = []
         for i in range(args.runs):
             h = run_headless(args, mode)

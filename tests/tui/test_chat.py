@@ -69,7 +69,9 @@ async def test_streams_every_round_in_batches_and_styles_by_provenance() -> None
         (reply,) = replies(app)
         recorded = recorded_turn(1, Mode.SPEC)
         expected = [e for e in recorded if isinstance(e, TokenEvent)]
-        untimed = [dataclasses.replace(t, t=0.0) for t in reply.tokens]  # the replay re-times tokens
+        untimed = [
+            dataclasses.replace(t, t=0.0) for t in reply.tokens
+        ]  # the replay re-times tokens
         assert untimed == [dataclasses.replace(t, t=0.0) for t in expected]
         assert isinstance(reply.outcome, TurnFinished)
         batches = [m for m in messages if isinstance(m, RoundsCompleted)]

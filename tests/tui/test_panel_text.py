@@ -10,8 +10,47 @@ from rich.table import Table
 
 from specchat.tui.panels.base import bar, histogram, key_values
 
-WORDS = ["rate", "71.6%", "(48/67", "drafts)", "spec", "·", "K", "2", "round", "5:", "acceptance", "0.54", "below", "0.80", "over", "the", "last", "8", "rounds;", "falling", "back", "to", "plain", "n/a", "12.6", "ms", "█▎····", "α", "—"]
-KEYS = ["rate", "mean length", "controller", "fallback", "p50 / p95", "first token", "round 25", "x"]
+WORDS = [
+    "rate",
+    "71.6%",
+    "(48/67",
+    "drafts)",
+    "spec",
+    "·",
+    "K",
+    "2",
+    "round",
+    "5:",
+    "acceptance",
+    "0.54",
+    "below",
+    "0.80",
+    "over",
+    "the",
+    "last",
+    "8",
+    "rounds;",
+    "falling",
+    "back",
+    "to",
+    "plain",
+    "n/a",
+    "12.6",
+    "ms",
+    "█▎····",
+    "α",
+    "—",
+]
+KEYS = [
+    "rate",
+    "mean length",
+    "controller",
+    "fallback",
+    "p50 / p95",
+    "first token",
+    "round 25",
+    "x",
+]
 
 
 def table_key_values(rows: list[tuple[str, str]]) -> Table:
@@ -56,4 +95,7 @@ def test_key_values_and_histogram_match_the_table_layout() -> None:
         counts = [(str(i), rng.randint(0, 30)) for i in range(rng.randint(1, 8))]
         width = rng.randint(30, 60)
         assert cells(key_values(rows), width) == cells(table_key_values(rows), width), (rows, width)
-        assert cells(histogram(counts), width) == cells(table_histogram(counts), width), (counts, width)
+        assert cells(histogram(counts), width) == cells(table_histogram(counts), width), (
+            counts,
+            width,
+        )

@@ -7,8 +7,8 @@ import argparse
 import pytest
 import torch
 
-from specchat.engine.config import QuantMode
 from specchat.engine import loading
+from specchat.engine.config import QuantMode
 from specchat.engine.errors import ModelLoadError
 from specchat.engine.loading import _approx_params, default_quant, pick_device, pick_dtype
 from specchat.tui.commands import common

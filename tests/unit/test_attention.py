@@ -1,0 +1,64 @@
+"""Row-wise attention: a token verified in a block scores bit for bit as it would alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specchat.engine import attention, quant
+from specchat.engine.config import QuantMode
+from specchat.engine.runner import ModelRunner
+from tests.tinymodels import tiny_llama
+
+
+def sequential_and_block(
+    runner: ModelRunner, prompt: list[int], n: int
+) -> tuple[list, torch.Tensor]:
+    runner.feed(prompt)
+    tokens, logits = [prompt[-1] + 1], []
+    for _ in range(n):
+        step = runner.feed([tokens[-1]])[-1]
+        logits.append(step)
+        tokens.append(int(step.argmax()))
+    runner.crop_to(len(prompt))
+    return logits, runner.feed(tokens[:n], keep=n)
+
+
+@pytest.mark.parametrize("mode", [QuantMode.INT8, QuantMode.INT4, QuantMode.W8A8])
+def test_block_rows_equal_single_steps(mode: QuantMode) -> None:
+    """Bit for bit with batch-invariant kernels (float32 MKL GEMM is not: ~1e-6 there)."""
+    model = quant.apply(tiny_llama(seed=3, layers=3), mode)
+    runner = ModelRunner(model, torch.device("cpu"))
+    assert model.config._attn_implementation == attention.NAME
+    steps, block = sequential_and_block(runner, list(range(5, 40)), 7)
+    for i, step in enumerate(steps):
+        assert torch.equal(block[i], step), f"row {i} differs by {(block[i] - step).abs().max()}"
+
+
+def test_usual_sdpa_is_not_row_invariant() -> None:
+    """The control: the same model and tokens through transformers' own SDPA path differ."""
+    model = quant.apply(tiny_llama(seed=3, layers=3), QuantMode.W8A8)
+    runner = ModelRunner(model, torch.device("cpu"))
+    model.set_attn_implementation("sdpa")
+    steps, block = sequential_and_block(runner, list(range(5, 40)), 7)
+    assert any(not torch.equal(block[i], step) for i, step in enumerate(steps))
+
+
+def test_long_blocks_take_the_usual_path() -> None:
+    """A prompt longer than MAX_ROWWISE is one attention call per layer, and agrees closely."""
+    model = tiny_llama(seed=3, layers=2)
+    n = attention.MAX_ROWWISE + 8
+    ids = torch.arange(1, n + 1).view(1, n)
+    with torch.no_grad():
+        usual = model(ids).logits
+        attention.use_rowwise_attention(model)
+        rowwise = model(ids).logits
+    torch.testing.assert_close(rowwise, usual)
+
+
+def test_sliding_window_models_are_left_alone() -> None:
+    model = tiny_llama(seed=3, layers=2)
+    model.config.use_sliding_window = True
+    model.config.sliding_window = 16
+    assert not attention.use_rowwise_attention(model)
+    assert model.config._attn_implementation == "sdpa"
