@@ -464,6 +464,9 @@ class SelfSpecDrafter:
         h = self.stack.run(p, 0, self.exit_layer)[:, -1:]  # [1, 1, H]
         return self.stack.logits(h)[0, -1]
 
+    def catch_up(self, seq: list[int]) -> None:
+        """Nothing to do ahead: `propose` feeds the pending tokens through E layers only."""
+
     def rollback(self, n: int) -> None:
         if self.shared is None and self.cached > n:
             crop_layers(self.cache, range(self.exit_layer), n)

@@ -71,6 +71,10 @@ class Drafter(Protocol):
         """Keep the draft's cache for the first n tokens of the sequence only."""
         ...
 
+    def catch_up(self, seq: list[int]) -> None:
+        """Feed what the draft has not seen of seq[:-1] (tokens decoded while not drafting)."""
+        ...
+
     def reset(self) -> None: ...
 
 
@@ -102,6 +106,9 @@ class ModelDrafter:
 
     def rollback(self, n: int) -> None:
         self.runner.crop_to(n)
+
+    def catch_up(self, seq: list[int]) -> None:
+        self.runner.prefill(seq)
 
     def reset(self) -> None:
         self.runner.reset()
@@ -159,6 +166,10 @@ def speculative_round(
 ) -> RoundResult:
     """Draft k tokens, verify them in one target pass, accept, roll both caches back."""
     n0 = len(seq)
+    # 0. After a stretch of plain rounds the draft has tokens to catch up on: a one-off
+    # cost, kept out of draft_ms, which the controller reads as k per-token draft steps
+    # (counted in, it made every probe after a plain stretch look too dear to keep).
+    drafter.catch_up(seq)
     # 1. Draft: d_1..d_k and the draft's logits at each position.
     t0 = _now()
     draft_ids, draft_logits = drafter.propose(seq, k, cfg, generator)  # [k], [k, Vd]

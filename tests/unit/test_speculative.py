@@ -173,3 +173,26 @@ def test_greedy_spec_with_quantized_models_equals_plain_of_the_same_target(
         outs[mode] = [e.token_id for e in events if isinstance(e, TokenEvent)]
     assert outs[Mode.SPEC] == outs[Mode.PLAIN]
     assert len(outs[Mode.PLAIN]) >= 16  # a real stretch of text (w8a8-w8a8 ends at 16)
+
+
+def test_draft_catch_up_is_not_timed_as_drafting(target: torch.nn.Module) -> None:
+    """After tokens decoded without drafting, the draft catches up before the timed draft
+    step: draft_ms stays the cost of k draft steps, not of a 40-token prefill."""
+    runner = ModelRunner(target, torch.device("cpu"))
+    drafter = ModelDrafter(ModelRunner(tiny_llama(seed=3, layers=2), torch.device("cpu")))
+    seq = list(range(3, 44))
+    calls: list[tuple[str, int]] = []
+    catch_up, propose = drafter.catch_up, drafter.propose
+
+    def recording_catch_up(s: list[int]) -> None:
+        catch_up(s)
+        calls.append(("catch_up", drafter.runner.cached))
+
+    def recording_propose(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(("propose", drafter.runner.cached))
+        return propose(*args)  # type: ignore[arg-type]
+
+    drafter.catch_up = recording_catch_up  # type: ignore[method-assign]
+    drafter.propose = recording_propose  # type: ignore[method-assign]
+    speculative_round(runner, drafter, seq, 3, DecodeConfig(), None)
+    assert calls == [("catch_up", len(seq) - 1), ("propose", len(seq) - 1)]
