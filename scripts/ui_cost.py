@@ -44,17 +44,20 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TARGET = str(ROOT.parent / "shared" / "models" / "stories260k")
 
 
-def model_flags(args: argparse.Namespace, mode: str) -> list[str]:
-    flags = [
+def shared_flags(args: argparse.Namespace) -> list[str]:
+    """The flags both the measuring child and the specchat commands take as they are."""
+    return [
         "--target",
         args.target,
         "--threads",
         str(args.threads),
         "--max-new-tokens",
         str(args.max_new_tokens),
-        "--temperature",
-        "0",
     ]
+
+
+def model_flags(args: argparse.Namespace, mode: str) -> list[str]:
+    flags = [*shared_flags(args), "--temperature", "0"]
     if mode == "spec":
         # the target drafts for itself: every draft is accepted, K+1 tokens a round
         flags += ["--draft", args.draft or args.target, "--mode", "spec", "--k", str(args.k)]
@@ -128,12 +131,7 @@ def run_app(args: argparse.Namespace, mode: str, profile: Path | None) -> dict[s
 
 def forward(args: argparse.Namespace) -> list[str]:
     out = [
-        "--target",
-        args.target,
-        "--threads",
-        str(args.threads),
-        "--max-new-tokens",
-        str(args.max_new_tokens),
+        *shared_flags(args),
         "--k",
         str(args.k),
         "--prompt",
