@@ -387,9 +387,33 @@ class _BitsAndBytes:
         return model
 
 
-class _Int8WeightOnly:
-    mode = QuantMode.INT8
+class _PostLoad:
+    """CPU modes that swap each nn.Linear for a quantized module after loading."""
+
+    mode: QuantMode
     devices = frozenset({"cpu"})
+
+    def check(
+        self, config: PretrainedConfig, device: torch.device, lm_head: bool, group_size: int
+    ) -> None:
+        return None
+
+    def load_kwargs(
+        self, device: torch.device, compute_dtype: torch.dtype | None
+    ) -> dict[str, Any]:
+        return {}
+
+    def module(self, linear: nn.Linear, group_size: int) -> nn.Module:
+        raise NotImplementedError
+
+    def apply(self, model: nn.Module, lm_head: bool, group_size: int) -> nn.Module:
+        for parent, attr, linear in _linears(model, lm_head):
+            setattr(parent, attr, self.module(linear, group_size))
+        return model
+
+
+class _Int8WeightOnly(_PostLoad):
+    mode = QuantMode.INT8
 
     def check(
         self, config: PretrainedConfig, device: torch.device, lm_head: bool, group_size: int
@@ -403,20 +427,12 @@ class _Int8WeightOnly:
                 hint="use bnb-int8 or none for this model",
             )
 
-    def load_kwargs(
-        self, device: torch.device, compute_dtype: torch.dtype | None
-    ) -> dict[str, Any]:
-        return {}
-
-    def apply(self, model: nn.Module, lm_head: bool, group_size: int) -> nn.Module:
-        for parent, attr, linear in _linears(model, lm_head):
-            setattr(parent, attr, Int8WeightOnlyLinear(linear))
-        return model
+    def module(self, linear: nn.Linear, group_size: int) -> nn.Module:
+        return Int8WeightOnlyLinear(linear)
 
 
-class _Int4WeightOnly:
+class _Int4WeightOnly(_PostLoad):
     mode = QuantMode.INT4
-    devices = frozenset({"cpu"})
 
     def check(
         self, config: PretrainedConfig, device: torch.device, lm_head: bool, group_size: int
@@ -442,20 +458,12 @@ class _Int4WeightOnly:
                 hint="use int8 or bnb-nf4 for this model",
             )
 
-    def load_kwargs(
-        self, device: torch.device, compute_dtype: torch.dtype | None
-    ) -> dict[str, Any]:
-        return {}
-
-    def apply(self, model: nn.Module, lm_head: bool, group_size: int) -> nn.Module:
-        for parent, attr, linear in _linears(model, lm_head):
-            setattr(parent, attr, Int4WeightOnlyLinear(linear, group_size))
-        return model
+    def module(self, linear: nn.Linear, group_size: int) -> nn.Module:
+        return Int4WeightOnlyLinear(linear, group_size)
 
 
-class _Int8Dynamic:
+class _Int8Dynamic(_PostLoad):
     mode = QuantMode.W8A8
-    devices = frozenset({"cpu"})
 
     def check(
         self, config: PretrainedConfig, device: torch.device, lm_head: bool, group_size: int
@@ -466,19 +474,15 @@ class _Int8Dynamic:
                 hint="use int8 or int4",
             )
 
-    def load_kwargs(
-        self, device: torch.device, compute_dtype: torch.dtype | None
-    ) -> dict[str, Any]:
-        return {}
+    def module(self, linear: nn.Linear, group_size: int) -> nn.Module:
+        return Int8DynamicLinear(linear)
 
     def apply(self, model: nn.Module, lm_head: bool, group_size: int) -> nn.Module:
         for parent, attrs in _shared_input_groups(model):
             group = SharedInputGroup([getattr(parent, a) for a in attrs])
             for index, attr in enumerate(attrs):
                 setattr(parent, attr, group.member(index))
-        for parent, attr, linear in _linears(model, lm_head):
-            setattr(parent, attr, Int8DynamicLinear(linear))
-        return model
+        return super().apply(model, lm_head, group_size)
 
 
 # Sibling Linears that the Llama-family modeling code calls one after the other on
