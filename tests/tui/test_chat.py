@@ -33,7 +33,7 @@ from specchat.tui.widgets.inspector import Inspector
 from specchat.tui.widgets.prompt import PromptInput
 from specchat.tui.widgets.reply import ReplyView, TokenBody
 from specchat.tui.widgets.status import LoadView, StatusLine
-from specchat.tui.widgets.token_body import TokenParagraph
+from specchat.tui.widgets.token_body import TokenBlock
 from specchat.tui.widgets.transcript import Note, Transcript
 
 
@@ -89,7 +89,7 @@ async def test_streams_every_round_in_batches_and_styles_by_provenance() -> None
         await pilot.press("ctrl+t")
         assert reply.showing_tokens
         body = reply.query_one(TokenBody)
-        shown = [p.content for p in body.query(TokenParagraph)]  # one widget per paragraph
+        shown = [p.content for p in body.query(TokenBlock)]  # a widget per block of paragraphs
         assert all(isinstance(p, Text) for p in shown)
         text = Text("\n").join(shown)
         assert text.plain == reply.text
@@ -179,7 +179,7 @@ async def test_a_theme_change_restyles_the_tokens_on_screen() -> None:
         body = reply.query_one(TokenBody)
 
         def first_colour() -> tuple[int, int, int]:
-            text = body.query(TokenParagraph).first().content
+            text = body.query(TokenBlock).first().content
             assert isinstance(text, Text)
             span = next(s for s in text.spans if s.style.meta.get("token") == 0)
             return span.style.color.triplet  # type: ignore[union-attr, return-value]
@@ -509,3 +509,46 @@ def test_missing_engine_session_is_a_message(monkeypatch: Any) -> None:
     with pytest.raises(EngineError, match="not available") as info:
         chat._engine_loader(args)(lambda p: None)
     assert "--replay" in info.value.hint
+
+
+async def test_a_streaming_reply_reserves_lines_in_steps_and_gives_them_back(monkeypatch: Any) -> None:
+    """The last block holds its height in steps (few layouts); every other block, and the end, fit exactly."""
+    monkeypatch.setattr("specchat.tui.widgets.token_body.BLOCK_PARAGRAPHS", 2)
+    monkeypatch.setattr("specchat.tui.widgets.token_body.RESERVE_LINES", 3)
+    gated = GatedSession(ReplaySession(TRACE))
+    app = make_app(gated, redraw_interval=0.001)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        prompt = app.query_one(PromptInput)
+        prompt.cursor_blink = True  # this suite's fixture keeps it off
+        await pilot.press(*"first", "enter")
+        await wait_until(pilot, lambda: bool(replies(app)) and bool(replies(app)[0].tokens))
+        reply = replies(app)[0]
+        body = reply.query_one(TokenBody)
+        seen_reserved = False
+        while True:
+            await pilot.pause()
+            if reply.finished:
+                break
+            blocks = list(body.query(TokenBlock))
+            assert not prompt.cursor_blink  # no blink frames while a reply streams
+            for block in blocks[:-1]:
+                assert block.styles.inline.min_height is None
+                assert block.size.height == block.get_content_height(block.size, app.size, block.size.width)
+            last = blocks[-1]
+            if last.size.height:
+                lines = last.get_content_height(last.size, app.size, last.size.width)
+                assert last.size.height % 3 == 0 and last.size.height >= lines
+                seen_reserved = seen_reserved or last.size.height > lines
+            gated.release()
+        assert seen_reserved, "no blank line was ever held: the test did not exercise reservation"
+        await wait_until(pilot, lambda: app._busy is None)
+        assert prompt.cursor_blink
+        await pilot.press("ctrl+t")  # the tokens view of the finished reply
+        await pilot.pause()
+        blocks = list(body.query(TokenBlock))
+        assert len(blocks) == -(-len(reply.text.split("\n")) // 2)
+        for block in blocks:
+            assert block.styles.inline.min_height is None
+            assert block.size.height == block.get_content_height(block.size, app.size, block.size.width)
+        assert Text("\n").join([b.content for b in blocks]).plain == reply.text  # type: ignore[misc]

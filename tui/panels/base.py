@@ -22,6 +22,7 @@ from ..redraw import redraw
 from ..state import ChatState
 
 BAR_WIDTH = 16
+HOLD_LINES = 2  # while a reply streams, a panel's height grows this many lines at a time
 
 
 def pct(value: float | None, digits: int = 0) -> str:
@@ -136,6 +137,7 @@ class Panel(Widget):
         self.state = state
         self.border_title = self.TITLE
 
-    def refresh_from(self, state: ChatState) -> None:
+    def refresh_from(self, state: ChatState, streaming: bool = False) -> None:
+        """Redraw from `state`; while a reply streams the panel does not shrink (no layout for a line less)."""
         self.state = state
-        redraw(self)
+        redraw(self, HOLD_LINES if streaming else 0)

@@ -10,7 +10,7 @@ from textual.widgets import Sparkline
 
 from ..redraw import redraw
 from ..state import ChatState
-from .base import KeyValues, Panel, bar, key_values, ms, pct
+from .base import HOLD_LINES, KeyValues, Panel, bar, key_values, ms, pct
 
 SPARK_POINTS = 64
 RECENT_ROUNDS = 3
@@ -72,10 +72,10 @@ class LatencyPanel(Panel):
         yield Sparkline([], id="latency-spark")
         yield _LatencyText(self.state, "rounds")
 
-    def refresh_from(self, state: ChatState) -> None:
+    def refresh_from(self, state: ChatState, streaming: bool = False) -> None:
         self.state = state
         data = list(state.metrics.token_latencies_ms)[-SPARK_POINTS:]
         self.query_one(Sparkline).data = data
         for part in self.query(_LatencyText):
             part.state = state
-            redraw(part)
+            redraw(part, HOLD_LINES if streaming else 0)

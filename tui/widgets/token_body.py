@@ -1,12 +1,16 @@
-"""A reply's tokens styled by provenance, drawn one paragraph per widget.
+"""A reply's tokens styled by provenance, drawn a block of paragraphs per widget.
 
 A streaming reply only changes at its end. Drawn as one Text, every redraw
 wrapped and painted the whole reply again: work on the UI thread that grows
-with the reply, while the engine waits for the GIL. Here each paragraph (the
-text up to a newline) is its own Static: finished paragraphs keep their
-rendering, and a redraw appends the new tokens to the last paragraph and
-repaints only that one. The screen shows the same lines as one Text would
-wrap to, since a newline starts a new line either way.
+with the reply, while the engine waits for the GIL. One widget per paragraph
+(the text up to a newline) made every new line a mount, and every layout
+cost grow with the widgets on screen. Here each widget (a `TokenBlock`) holds
+up to BLOCK_PARAGRAPHS paragraphs: finished blocks keep their rendering, a
+redraw appends the new tokens to the last block and repaints only that one,
+and the last block of a streaming reply reserves its height RESERVE_LINES
+lines at a time, so most new lines repaint without laying the screen out.
+The screen shows the same lines as one Text would wrap to, since a newline
+starts a new line either way.
 """
 
 from __future__ import annotations
@@ -25,13 +29,15 @@ from textual.widgets import Static
 
 from specchat.engine.events import Provenance, TokenEvent
 
-from ..redraw import redraw
+from ..redraw import redraw, release
 from .tokens import TOKEN_COMPONENTS, cursor_style, provenance_styles, token_css
 
 if TYPE_CHECKING:
     from .reply import ReplyView
 
 PLACEHOLDER = Text("…", style=Style(dim=True), end="")
+BLOCK_PARAGRAPHS = 8  # paragraphs per widget
+RESERVE_LINES = 6  # the last block of a streaming reply grows this many lines at a time
 
 
 def extend_paragraphs(
@@ -75,10 +81,10 @@ def extend_paragraphs(
 STILL_VIRTUAL_SIZE: Reactive[Size] = Reactive(Size(0, 0), layout=False)
 
 
-class TokenParagraph(Static):
-    """One paragraph of a reply's tokens."""
+class TokenBlock(Static):
+    """Up to BLOCK_PARAGRAPHS paragraphs of a reply's tokens, newlines between them."""
 
-    DEFAULT_CSS = "TokenParagraph { height: auto; }"
+    DEFAULT_CSS = "TokenBlock { height: auto; }"
     virtual_size = STILL_VIRTUAL_SIZE
 
 
@@ -106,8 +112,8 @@ class TokenBody(Vertical):
         super().__init__(**kwargs)
         self.reply = reply
         self._styles: dict[Provenance, Style] | None = None
-        self._paragraphs: list[Text] = []  # what the paragraph widgets show
-        self._widgets: list[TokenParagraph] = []
+        self._paragraphs: list[Text] = []  # what the blocks show
+        self._widgets: list[TokenBlock] = []  # block b shows paragraphs [b·BLOCK_PARAGRAPHS, (b+1)·BLOCK_PARAGRAPHS)
         self._built: int | None = None  # tokens in _paragraphs when built by appending, else None
         self._cursor: int | None = None  # the cursor _paragraphs were built with
         self._mounted = False
@@ -133,7 +139,7 @@ class TokenBody(Vertical):
         return Text("\n", end="").join(self._paragraphs)
 
     def sync(self) -> None:
-        """Show the reply's tokens, cursor and styles; repaint only the paragraphs that changed."""
+        """Show the reply's tokens, cursor and styles; repaint only the blocks that changed."""
         if not self._mounted:
             return
         reply = self.reply
@@ -147,39 +153,52 @@ class TokenBody(Vertical):
             self._show([Text(end="")] if reply.finished else [PLACEHOLDER.copy()])
             self._built = None
         elif not restyled and cursor is None and self._cursor is None and self._built is not None:
-            if self._built == len(tokens):
-                return
-            first = len(self._paragraphs) - 1
-            extend_paragraphs(self._paragraphs, tokens[self._built :], self._built, styles)
-            self._built = len(tokens)
-            self._update(range(first, len(self._paragraphs)))
+            if self._built < len(tokens):
+                first = len(self._paragraphs) - 1
+                extend_paragraphs(self._paragraphs, tokens[self._built :], self._built, styles)
+                self._built = len(tokens)
+                self._update(range(first, len(self._paragraphs)))
         else:
             paragraphs: list[Text] = []
             extend_paragraphs(paragraphs, tokens, 0, styles, cursor, cursor_style(self))
             self._show(paragraphs)
             self._built = len(tokens) if cursor is None else None
         self._cursor = cursor
+        if reply.finished and self._widgets:
+            release(self._widgets[-1])
 
     def _show(self, paragraphs: list[Text]) -> None:
         old = self._paragraphs
         self._paragraphs = paragraphs
         changed = [i for i, p in enumerate(paragraphs) if i >= len(old) or p != old[i]]
-        extra = self._widgets[len(paragraphs) :]
+        if len(paragraphs) < len(old):
+            changed.append(len(paragraphs) - 1)  # the new last block may have lost paragraphs
+        blocks = -(-len(paragraphs) // BLOCK_PARAGRAPHS)
+        extra = self._widgets[blocks:]
         if extra:
-            del self._widgets[len(paragraphs) :]
+            del self._widgets[blocks:]
             self.remove_children(extra)
         self._update(changed)
 
     def _update(self, indices: Iterable[int]) -> None:
-        new: list[TokenParagraph] = []
-        for i in indices:
-            text = self._paragraphs[i]
-            if i < len(self._widgets):
-                widget = self._widgets[i]
+        """Redraw the blocks that hold these paragraphs; mount the blocks that are new."""
+        paragraphs = self._paragraphs
+        last = (len(paragraphs) - 1) // BLOCK_PARAGRAPHS
+        reserve = 0 if self.reply.finished else RESERVE_LINES
+        new: list[TokenBlock] = []
+        for b in sorted({i // BLOCK_PARAGRAPHS for i in indices}):
+            start = b * BLOCK_PARAGRAPHS
+            text = Text("\n", end="").join(paragraphs[start : start + BLOCK_PARAGRAPHS])
+            if b < len(self._widgets):
+                widget = self._widgets[b]
                 widget.update(text, layout=False)
-                redraw(widget)
+                redraw(widget, reserve if b == last else 0)
             else:
-                widget = TokenParagraph(text, markup=False)
+                if self._widgets and b == len(self._widgets):
+                    release(self._widgets[-1])  # no longer the last: its exact height
+                widget = TokenBlock(text, markup=False)
+                if reserve and b == last:
+                    widget.styles.min_height = RESERVE_LINES
                 self._widgets.append(widget)
                 new.append(widget)
         if new:
