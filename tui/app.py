@@ -108,7 +108,7 @@ class SpecChatApp(App[None]):
         sample_system: bool = True,
         sample_interval: float = 1.0,
         redraw_interval: float = 0.1,
-        panel_interval: float = 0.5,
+        panel_interval: float = 1.0,
         ui_budget: float = 0.03,
     ) -> None:
         super().__init__()
@@ -131,7 +131,7 @@ class SpecChatApp(App[None]):
         self._replies: dict[int, ReplyView] = {}
         self._prompts: dict[int, str] = {}
         self._next_id = 0
-        self._busy: int | None = None
+        self._busy_id: int | None = None
         self._stopping = False
         self._reset_pending = False
         self._mode_before_plain: Mode = Mode.SPEC
@@ -187,6 +187,17 @@ class SpecChatApp(App[None]):
         self.query_one(PromptInput).focus()
         self._started = True
         self._load()
+
+    @property
+    def _busy(self) -> int | None:
+        """The reply in flight, if any."""
+        return self._busy_id
+
+    @_busy.setter
+    def _busy(self, reply_id: int | None) -> None:
+        self._busy_id = reply_id
+        if self._started:
+            self.query_one(PromptInput).hold_still(reply_id is not None)
 
     # -- loading ---------------------------------------------------------
 
@@ -651,14 +662,15 @@ class SpecChatApp(App[None]):
         self._last_panels = time.monotonic()
         if not self._panels:
             self._panels = list(self.query(Panel))
+        streaming = self._busy is not None
         for panel in self._panels:
             if panel.display:
-                panel.refresh_from(self.state)
+                panel.refresh_from(self.state, streaming)
 
     def on_system_sampled(self, message: SystemSampled) -> None:
         self.state.sample = message.sample
         if "devices" in self.panels_on:
-            self.query_one("#panel-devices", Panel).refresh_from(self.state)
+            self.query_one("#panel-devices", Panel).refresh_from(self.state, self._busy is not None)
 
     def _update_sampler(self) -> None:
         want = self.sample_system and "devices" in self.panels_on

@@ -19,6 +19,7 @@ class PromptInput(Input):
         self.history: list[str] = list(history or [])
         self._index: int | None = None  # position while browsing
         self._draft = ""  # what was typed before browsing
+        self._blink_held: bool | None = None  # cursor_blink before hold_still(True)
 
     def remember(self, prompt: str) -> None:
         """Add a prompt to the history (not twice in a row) and stop browsing."""
@@ -44,6 +45,22 @@ class PromptInput(Input):
         else:
             self.value = self.history[self._index]
         self.cursor_position = len(self.value)
+
+    def hold_still(self, still: bool) -> None:
+        """Stop the cursor blinking while a reply streams (each blink is a frame on the UI thread); then as before."""
+        if still == (self._blink_held is not None):
+            return
+        if still:
+            self._blink_held = self.cursor_blink
+            self.cursor_blink = False
+            return
+        self.cursor_blink, self._blink_held = self._blink_held, None
+        if self.cursor_blink:
+            # Textual resumes the timer at any phase, and even without focus
+            if self.has_focus:
+                self._restart_blink()
+            else:
+                self._pause_blink()
 
     def restore(self, prompt: str) -> None:
         """Put a prompt back into an empty input (after a failed turn)."""
