@@ -16,6 +16,11 @@ costs the engine 10-15 % on its own).
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python scripts/ui_cost.py \\
         --target ../shared/models/stories260k --runs 3 --modes plain spec
 
+`--replay TRACE` measures the UI alone: the app replays a trace recorded with
+`specchat generate --json` at its recorded pace (no model runs), and the
+script reports the UI thread's and the whole process's CPU time per shown
+token; every millisecond of it is one the engine would have to share.
+
 `--profile DIR` also writes a cProfile (CPU time) of the app's UI thread,
 from the prompt to the end of the reply, for each app run (read it with
 `python -m pstats`). Prints one line per run, then per mode the medians and
@@ -60,7 +65,9 @@ def model_flags(args: argparse.Namespace, mode: str) -> list[str]:
     flags = [*shared_flags(args), "--temperature", "0"]
     if mode == "spec":
         # the target drafts for itself: every draft is accepted, K+1 tokens a round
-        flags += ["--draft", args.draft or args.target, "--mode", "spec", "--k", str(args.k)]
+        flags += ["--draft", args.draft or args.target, "--mode", "spec"]
+        if args.k:
+            flags += ["--k", str(args.k)]
     else:
         flags += ["--draft", "none", "--mode", mode]
     return flags
@@ -141,6 +148,8 @@ def forward(args: argparse.Namespace) -> list[str]:
     ]
     if args.draft:
         out += ["--draft", args.draft]
+    if args.replay:
+        out += ["--replay", args.replay]
     return out
 
 
@@ -151,7 +160,8 @@ def app_once(args: argparse.Namespace) -> None:
     from specchat.tui.widgets.prompt import PromptInput
 
     _prepare_runtime()
-    ns = build_parser().parse_args(["chat", *model_flags(args, args.mode_once)])
+    flags = ["--replay", args.replay] if args.replay else model_flags(args, args.mode_once)
+    ns = build_parser().parse_args(["chat", *flags])
     app: Any = build_app(ns)
     result: dict[str, Any] = {}
 
@@ -173,11 +183,13 @@ def app_once(args: argparse.Namespace) -> None:
             if profiler is not None:
                 profiler.enable()
             ui_cpu0 = time.thread_time()
+            proc_cpu0 = time.process_time()
             t0 = time.perf_counter()
             await pilot.press("enter")
             await until(lambda: app._busy is None and app._last_reply() is not None)
             result["wall_s"] = time.perf_counter() - t0
             result["ui_cpu_s"] = time.thread_time() - ui_cpu0
+            result["process_cpu_s"] = time.process_time() - proc_cpu0
             if profiler is not None:
                 profiler.disable()
             reply = app._last_reply()
@@ -199,6 +211,28 @@ def app_once(args: argparse.Namespace) -> None:
     if profiler is not None:
         profiler.dump_stats(args.profile_once)
     Path(args.app_once).write_text(json.dumps(result))
+
+
+def replay_cost(args: argparse.Namespace) -> int:
+    """The app alone on a replayed trace: CPU per shown token, UI thread and whole process."""
+    per_token: list[float] = []
+    for i in range(args.runs):
+        prof = args.profile / f"app-replay-{i + 1}.prof" if args.profile else None
+        a = run_app(args, "replay", prof)
+        if "stats" not in a:
+            print(f"app run failed: {a}", file=sys.stderr)
+            return 1
+        n = max(1, a["tokens_shown"])
+        per_token.append(a["ui_cpu_s"] / n)
+        print(
+            f"replay run {i + 1}: {n} tokens in {a['wall_s']:.1f} s; UI thread CPU {a['ui_cpu_s']:.2f} s "
+            f"({a['ui_cpu_s'] / n * 1e3:.1f} ms/token, {a['ui_cpu_s'] / a['wall_s']:.1%} of wall), "
+            f"process CPU {a['process_cpu_s']:.2f} s ({a['process_cpu_s'] / n * 1e3:.1f} ms/token); "
+            f"{a['terminal_bytes'] / 1024:.0f} KiB drawn"
+        )
+        sys.stdout.flush()
+    print(f"median UI thread CPU per token: {statistics.median(per_token) * 1e3:.1f} ms")
+    return 0
 
 
 def decode_rate(stats: dict[str, Any]) -> float:
@@ -227,9 +261,10 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3, help="runs of each side per mode")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--k", type=int, default=4, help="draft tokens per round in spec mode")
+    p.add_argument("--k", type=int, default=4, help="draft tokens per round in spec mode; 0 = adaptive, as the app")
     p.add_argument("--prompt", default="Once upon a time")
     p.add_argument("--size", type=parse_size, default=(160, 45), help="terminal COLSxROWS")
+    p.add_argument("--replay", metavar="TRACE", help="the app alone, on this trace at its recorded pace")
     p.add_argument("--profile", type=Path, default=None, metavar="DIR")
     p.add_argument("--app-once", help=argparse.SUPPRESS)
     p.add_argument("--mode-once", help=argparse.SUPPRESS)
@@ -241,6 +276,8 @@ def main() -> int:
 
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
+    if args.replay:
+        return replay_cost(args)
     summary: list[str] = []
     for mode in args.modes:
         rates: dict[str, list[float]] = {
