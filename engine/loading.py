@@ -216,7 +216,13 @@ def load_model(
         report(LoadProgress("load", 1, 1, detail=f"{role}: head scores {kept} tokens"))
     params = sum(p.numel() for p in model.parameters())  # before packing hides them
     if quant is not None:
-        model = quant.apply(model, mode)
+        detail = f"{role}: {mode} {resolved.name}"
+
+        def quantized(done: int, total: int) -> None:  # about every 5%, and the end
+            if done == total or done * 20 // total != (done - 1) * 20 // total:
+                report(LoadProgress("quantize", done, total, detail=detail))
+
+        model = quant.apply(model, mode, progress=quantized)
     model.eval()
     model.requires_grad_(False)
     report(

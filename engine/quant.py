@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -65,6 +65,7 @@ _COMPUTE_DTYPE = torch.bfloat16  # activations of the int8 / int4 CPU kernels (f
 W8A8_WEIGHT_MAX = (
     63  # weights on a 7-bit grid so activations can keep 8 bits (docs/quantization.md)
 )
+StepProgress = Callable[[int, int], None]  # (modules done, modules in all)
 _ROWS_PER_CHUNK = 8192  # quantize large weights (the lm_head) in slices to bound peak memory
 
 
@@ -316,7 +317,9 @@ class Handler(Protocol):
         self, device: torch.device, compute_dtype: torch.dtype | None
     ) -> dict[str, Any]: ...
 
-    def apply(self, model: nn.Module, lm_head: bool, group_size: int) -> nn.Module: ...
+    def apply(
+        self, model: nn.Module, lm_head: bool, group_size: int, progress: StepProgress | None = None
+    ) -> nn.Module: ...
 
 
 class _AsLoaded:
@@ -333,7 +336,9 @@ class _AsLoaded:
     ) -> dict[str, Any]:
         return {}
 
-    def apply(self, model: nn.Module, lm_head: bool, group_size: int) -> nn.Module:
+    def apply(
+        self, model: nn.Module, lm_head: bool, group_size: int, progress: StepProgress | None = None
+    ) -> nn.Module:
         return model
 
 
@@ -383,7 +388,9 @@ class _BitsAndBytes:
         target = f"cuda:{device.index or 0}" if device.type == "cuda" else "cpu"
         return {"quantization_config": config, "device_map": {"": target}}
 
-    def apply(self, model: nn.Module, lm_head: bool, group_size: int) -> nn.Module:
+    def apply(
+        self, model: nn.Module, lm_head: bool, group_size: int, progress: StepProgress | None = None
+    ) -> nn.Module:
         return model
 
 
@@ -406,9 +413,14 @@ class _PostLoad:
     def module(self, linear: nn.Linear, group_size: int) -> nn.Module:
         raise NotImplementedError
 
-    def apply(self, model: nn.Module, lm_head: bool, group_size: int) -> nn.Module:
-        for parent, attr, linear in _linears(model, lm_head):
+    def apply(
+        self, model: nn.Module, lm_head: bool, group_size: int, progress: StepProgress | None = None
+    ) -> nn.Module:
+        linears = list(_linears(model, lm_head))
+        for done, (parent, attr, linear) in enumerate(linears, 1):
             setattr(parent, attr, self.module(linear, group_size))
+            if progress is not None:
+                progress(done, len(linears))
         return model
 
 
@@ -477,12 +489,25 @@ class _Int8Dynamic(_PostLoad):
     def module(self, linear: nn.Linear, group_size: int) -> nn.Module:
         return Int8DynamicLinear(linear)
 
-    def apply(self, model: nn.Module, lm_head: bool, group_size: int) -> nn.Module:
-        for parent, attrs in _shared_input_groups(model):
+    def apply(
+        self, model: nn.Module, lm_head: bool, group_size: int, progress: StepProgress | None = None
+    ) -> nn.Module:
+        groups = _shared_input_groups(model)
+        # the groups are a share of the work too: count them in, then the single Linears
+        single = sum(1 for _ in _linears(model, lm_head)) - sum(len(a) for _, a in groups)
+        total = len(groups) + single
+        for done, (parent, attrs) in enumerate(groups, 1):
             group = SharedInputGroup([getattr(parent, a) for a in attrs])
             for index, attr in enumerate(attrs):
                 setattr(parent, attr, group.member(index))
-        return super().apply(model, lm_head, group_size)
+            if progress is not None:
+                progress(done, total)
+
+        def rest(done: int, _total: int) -> None:
+            if progress is not None:
+                progress(len(groups) + done, total)
+
+        return super().apply(model, lm_head, group_size, rest)
 
 
 # Sibling Linears that the Llama-family modeling code calls one after the other on
@@ -629,15 +654,18 @@ def apply(
     *,
     lm_head: bool = QUANTIZE_LM_HEAD,
     group_size: int = DEFAULT_GROUP_SIZE,
+    progress: StepProgress | None = None,
 ) -> nn.Module:
     """Quantize a loaded model in place for post-load modes and return it.
 
     Replaces every nn.Linear (the output projection only if `lm_head`) with an
     int8 or int4 module; the float weights it replaces are freed unless
     something else holds them (a tied lm_head keeps the embedding's weight).
-    Load-time modes and `none` return the model unchanged.
+    Load-time modes and `none` return the model unchanged. `progress(done,
+    total)` is called as modules are replaced (packing a 1.5B model for w8a8
+    takes tens of seconds).
     """
-    return HANDLERS[mode].apply(model, lm_head, group_size)
+    return HANDLERS[mode].apply(model, lm_head, group_size, progress)
 
 
 def is_load_time(mode: QuantMode) -> bool:

@@ -343,3 +343,18 @@ def test_w8a8_never_saturates_avx2_pair_sums(monkeypatch: pytest.MonkeyPatch) ->
     wide.reduce_range = False
     with torch.no_grad():
         assert not torch.allclose(wide(x), torch.full_like(got, want), rtol=0.01)
+
+
+@pytest.mark.parametrize("mode", [QuantMode.INT8, QuantMode.INT4, QuantMode.W8A8])
+def test_post_load_modes_report_progress_to_the_last_module(mode: QuantMode) -> None:
+    model = tiny_model(tiny_config())
+    linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+    calls: list[tuple[int, int]] = []
+    quant.apply(model, mode, progress=lambda done, total: calls.append((done, total)))
+    totals = {total for _, total in calls}
+    assert len(totals) == 1
+    (total,) = totals
+    # w8a8 counts a fused q/k/v or gate/up group as one step
+    assert total == linears if mode is not QuantMode.W8A8 else total < linears
+    assert [done for done, _ in calls] == list(range(1, total + 1))
+    assert not any(type(m) is nn.Linear for m in model.modules())  # every Linear replaced
