@@ -18,6 +18,10 @@ class Mode(StrEnum):
     SPEC = "spec"  # draft model proposes K tokens, target verifies them in one pass
     SELF_SPEC = "self-spec"  # the target's own first E layers draft, the full target verifies
     EARLY_EXIT = "early-exit"  # target alone, may stop at an intermediate layer (lossy)
+    LOOKUP = "lookup"  # drafts copied from earlier in the conversation (n-gram match), no draft model
+
+
+SPECULATIVE_MODES = frozenset({Mode.SPEC, Mode.SELF_SPEC, Mode.LOOKUP})  # draft, then verify
 
 
 class QuantMode(StrEnum):

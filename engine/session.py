@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .config import DecodeConfig, Mode, ModelSpec
+from .config import SPECULATIVE_MODES, DecodeConfig, Mode, ModelSpec
 from .controller import Controller, Costs
 from .errors import ContextOverflowError, EngineError
 from .events import (
@@ -86,6 +86,7 @@ class ChatSession:
         )
         self._self_drafter: Drafter | None = None
         self._self_drafter_layer: int | None = None
+        self._lookup_drafter: Drafter | None = None
         self.system_prompt = system_prompt
         limits = [target.info.context_length]
         if draft:
@@ -99,6 +100,7 @@ class ChatSession:
         self._messages: list[tuple[str, str]] = []
         self.turn = 0
         self.costs = Costs()
+        self._mode_costs: dict[Mode, Costs] = {}  # self-spec, lookup: see _costs_for
         notes: list[str] = []
         if not self.has_template:
             notes.append(
@@ -203,6 +205,21 @@ class ChatSession:
         self.ready = self._make_ready()
         return self.costs
 
+    def _costs_for(self, mode: Mode) -> Costs:
+        """The step costs the controller of `mode` starts from and keeps learning into.
+
+        The draft model's mode uses the measured costs; every other drafter
+        has a draft cost of its own (a lookup costs next to nothing), learnt
+        from its first rounds, and shares the target's step and verify cost.
+        """
+        if mode is Mode.SPEC:
+            return self.costs
+        costs = self._mode_costs.get(mode)
+        if costs is None:
+            costs = Costs(self.costs.target_step_ms, None, self.costs.verify_slope)
+            self._mode_costs[mode] = costs
+        return costs
+
     # -- the ChatBackend interface -------------------------------------------
 
     @property
@@ -292,6 +309,12 @@ class ChatSession:
                 self._self_drafter = SelfSpecDrafter(self.target, layer, runner=self.target_runner)
                 self._self_drafter_layer = layer
             return self._self_drafter, None
+        if cfg.mode is Mode.LOOKUP:
+            if self._lookup_drafter is None:
+                from .lookup import LookupDrafter
+
+                self._lookup_drafter = LookupDrafter(self.target_runner.vocab, self.target.device)
+            return self._lookup_drafter, None
         return None, None
 
     # -- the decoding loop ----------------------------------------------------
@@ -370,7 +393,7 @@ class ChatSession:
         generator.manual_seed(
             cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(4), "little")
         )
-        controller = Controller(cfg, self.costs)
+        controller = Controller(cfg, self._costs_for(run_mode))
         decoder = IncrementalDecoder(self.tokenizer, context=ids)
 
         generated = 0
@@ -396,7 +419,7 @@ class ChatSession:
                 stop_reason = "context"
                 break
 
-            if run_mode in (Mode.SPEC, Mode.SELF_SPEC):
+            if run_mode in SPECULATIVE_MODES:
                 mode, k = controller.next()
                 k = min(k, remaining - 1, room - 1)
             else:
@@ -404,13 +427,17 @@ class ChatSession:
             reason = controller.take_reason()
 
             res: RoundResult
-            if mode in (Mode.SPEC, Mode.SELF_SPEC) and k >= 1 and drafter is not None:
+            if mode is not Mode.PLAIN and k >= 1 and drafter is not None:
                 res = speculative_round(self.target_runner, drafter, seq, k, cfg, generator)
-                controller.observe_round(res.k, res.accepted, res.draft_ms, res.verify_ms)
-                spec_rounds += 1
-                drafted += res.k
-                accepted += res.accepted
-                round_mode = run_mode
+                if res.k:
+                    controller.observe_round(res.k, res.accepted, res.draft_ms, res.verify_ms)
+                    spec_rounds += 1
+                    drafted += res.k
+                    accepted += res.accepted
+                    round_mode = run_mode
+                else:  # a lookup that found nothing: the round was a plain step
+                    controller.observe_plain(res.verify_ms)
+                    round_mode = Mode.PLAIN
             elif early_exit_step is not None:
                 res = early_exit_step.step(seq, cfg, generator)
                 round_mode = Mode.EARLY_EXIT
@@ -491,8 +518,12 @@ class ChatSession:
                 draft_ms=res.draft_ms,
                 verify_ms=res.verify_ms,
                 fallback_reason=reason,
-                next_mode=controller.mode if run_mode in (Mode.SPEC, Mode.SELF_SPEC) else run_mode,
-                next_k=controller.k if run_mode in (Mode.SPEC, Mode.SELF_SPEC) else None,
+                next_mode=(
+                    (run_mode if controller.mode is Mode.SPEC else Mode.PLAIN)
+                    if run_mode in SPECULATIVE_MODES
+                    else run_mode
+                ),
+                next_k=controller.k if run_mode in SPECULATIVE_MODES else None,
             )
             if finished:
                 break
@@ -508,7 +539,7 @@ class ChatSession:
             yield Cancelled(generated, reply_text)
             return
         optimizations = [run_mode.value]
-        if run_mode in (Mode.SPEC, Mode.SELF_SPEC):
+        if run_mode in SPECULATIVE_MODES:
             optimizations.append(f"K={cfg.k}" if cfg.k is not None else "K=auto")
         yield TurnFinished(
             TurnStats(

@@ -61,9 +61,10 @@ class Drafter(Protocol):
     def propose(
         self, seq: list[int], k: int, cfg: DecodeConfig, generator: torch.Generator | None
     ) -> tuple[Tensor, Tensor]:
-        """Draft k tokens after seq.
+        """Draft up to k tokens after seq.
 
-        Returns (ids [k] long, logits [k, V] of the draft at each drafted position).
+        Returns (ids [n] long, logits [n, V] of the draft at each drafted
+        position), n <= k; n = 0 makes the round a plain step.
         """
         ...
 
@@ -173,6 +174,7 @@ def speculative_round(
     # 1. Draft: d_1..d_k and the draft's logits at each position.
     t0 = _now()
     draft_ids, draft_logits = drafter.propose(seq, k, cfg, generator)  # [k], [k, Vd]
+    k = int(draft_ids.shape[0])  # a lookup draft may find fewer, or none: then a plain step
     t1 = _now()
     # 2. Verify: one target pass over (pending tokens + d_1..d_k), keeping k+1 rows.
     target.crop_to(n0 - 1)
@@ -224,8 +226,10 @@ def speculative_round(
                 rejected_id=int(d[n_acc]),
             )
         )
-    else:
+    elif k:
         tokens.append(Emitted(extra, Provenance.BONUS, position=k, p_target=p_t_list[n_acc]))
+    else:
+        tokens.append(Emitted(extra, Provenance.TARGET, p_target=p_t_list[0]))
 
     # 4. Roll back to the accepted length: the caches hold seq + accepted drafts;
     # the round's last token is fed at the start of the next round.

@@ -41,7 +41,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from .config import Mode
+from .config import SPECULATIVE_MODES, Mode
 from .events import Cancelled, Failed, RoundEvent, TokenEvent, TurnFinished, TurnStarted
 
 LATENCY_BUCKETS = (
@@ -51,7 +51,7 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ACCEPTED_BUCKETS = tuple(float(i) for i in range(0, 17))
 EXIT_LAYER_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 28, 32, 40, 48, 64, 96, 128)
 
-_SPECULATIVE = (Mode.SPEC, Mode.SELF_SPEC)
+_SPECULATIVE = SPECULATIVE_MODES
 
 
 @dataclass(slots=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from specchat.engine.config import Mode
 
-MODE_CYCLE: tuple[Mode, ...] = (Mode.SPEC, Mode.SELF_SPEC, Mode.EARLY_EXIT, Mode.PLAIN)
+MODE_CYCLE: tuple[Mode, ...] = (Mode.SPEC, Mode.SELF_SPEC, Mode.EARLY_EXIT, Mode.LOOKUP, Mode.PLAIN)
 K_CYCLE: tuple[int | None, ...] = (None, 1, 2, 3, 4, 6, 8)
 TEMPERATURE_CYCLE: tuple[float, ...] = (0.0, 0.3, 0.7, 1.0)
 TOP_P_CYCLE: tuple[float, ...] = (1.0, 0.95, 0.9, 0.8)
@@ -53,7 +53,7 @@ ACTIONS: tuple[Action, ...] = (
            "CPU per core, process CPU and memory, GPU, where each model runs, weight and KV bytes"),
     Action("f5", "toggle_panel('early-exit')", "Exit", "Toggle the early-exit panel",
            "Exit rate, exit layers, layers run per token, budget against realised agreement"),
-    Action("f7", "cycle_mode", "Mode", "Next decoding mode", "spec → self-spec → early-exit → plain"),
+    Action("f7", "cycle_mode", "Mode", "Next decoding mode", "spec → self-spec → early-exit → lookup → plain"),
     Action("f8", "cycle_k", "K", "Next K", "Draft tokens per round: auto, 1, 2, 3, 4, 6, 8"),
     Action("f9", "cycle_temperature", "Temp", "Next temperature", "0 (greedy), 0.3, 0.7, 1.0"),
     Action("shift+f9", "cycle_top_p", "top-p", "Next top-p", "1.0 (off), 0.95, 0.9, 0.8", show=False),

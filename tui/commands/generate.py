@@ -24,7 +24,7 @@ STYLES = {
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "generate",
-        help="generate one reply headless (plain, spec, self-spec or early-exit)",
+        help="generate one reply headless (plain, spec, lookup, self-spec or early-exit)",
         description="Generate one reply. Prints it (coloured by provenance on a terminal) "
         "and a summary line; --json writes every event as one JSON object per line.",
     )

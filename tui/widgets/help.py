@@ -53,7 +53,7 @@ correction, the exit layer and confidence of an early exit, and the round.
 **ctrl+r** answers the last prompt again with plain decoding (mode plain,
 same seed, temperature and top-p), shown as reply **B** under the original
 **A**, with the first token where they differ and both speeds. Lossless
-modes (spec, self-spec) should match exactly at temperature 0; early exit
+modes (spec, lookup, self-spec) should match exactly at temperature 0; early exit
 may not, and its panel then shows the realised agreement. The engine keeps
 reply B as the answer in the conversation: the next turn continues from it.
 
