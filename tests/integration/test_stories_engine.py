@@ -62,6 +62,27 @@ def test_greedy_spec_equals_plain_on_real_weights(
         assert accepted / drafted > 0.2
 
 
+@pytest.mark.parametrize("k", [3, None])
+def test_greedy_lookup_equals_plain_on_real_weights(stories: tuple, k: int | None) -> None:
+    """Stories repeat names and phrases: lookup drafts get accepted, and the output stays plain's."""
+    model, tok = stories
+    accepted = drafted = 0
+    for prompt in PROMPTS:
+        plain, _ = run(
+            ChatSession(loaded(model, tokenizer=tok)), prompt, DecodeConfig(mode=Mode.PLAIN, max_new_tokens=96)
+        )
+        lookup, fin = run(
+            ChatSession(loaded(model, tokenizer=tok)),
+            prompt,
+            DecodeConfig(mode=Mode.LOOKUP, k=k, max_new_tokens=96),
+        )
+        assert lookup == plain, prompt
+        assert fin.stats.mode is Mode.LOOKUP
+        accepted += fin.stats.accepted
+        drafted += fin.stats.drafted
+    assert drafted > 0 and accepted > 0, "lookup never drafted or never hit: the test exercised nothing"
+
+
 def test_the_story_is_coherent(stories: tuple) -> None:
     model, tok = stories
     _, fin = run(
@@ -121,7 +142,7 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("mode", ["plain", "spec"])
+@pytest.mark.parametrize("mode", ["plain", "spec", "lookup"])
 def test_generate_command_json_trace(mode: str) -> None:
     out = cli(
         "generate",
@@ -145,7 +166,11 @@ def test_generate_command_json_trace(mode: str) -> None:
     assert types[0] in ("LoadProgress", "Ready") and types[-1] == "TurnFinished"
     tokens = [e for e in events if e["type"] == "TokenEvent"]
     assert len(tokens) == 16
-    want = {"plain": {"target"}, "spec": {"accepted", "bonus", "corrected"}}[mode]
+    want = {
+        "plain": {"target"},
+        "spec": {"accepted", "bonus", "corrected"},
+        "lookup": {"accepted", "bonus", "corrected", "target"},  # target: rounds with no match
+    }[mode]
     assert {t["provenance"] for t in tokens} <= want
     assert "Loading weights" not in out.stderr
 
