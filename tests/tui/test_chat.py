@@ -552,3 +552,16 @@ async def test_a_streaming_reply_reserves_lines_in_steps_and_gives_them_back(mon
             assert block.styles.inline.min_height is None
             assert block.size.height == block.get_content_height(block.size, app.size, block.size.width)
         assert Text("\n").join([b.content for b in blocks]).plain == reply.text  # type: ignore[misc]
+
+
+async def test_the_inspector_says_a_lookup_draft_was_copied() -> None:
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        inspector = app.query_one(Inspector)
+        tok = TokenEvent(7, "x", Provenance.ACCEPTED, round=3, position=0, p_target=0.8, p_draft=1.0)
+        for mode, copied in ((Mode.LOOKUP, True), (Mode.SPEC, False)):
+            inspector.show(tok, 0, 1, RoundEvent(3, mode, 2, 1, 0.1, 180.0))
+            text = plain(inspector.render(), width=160)
+            assert ("copied from earlier in the conversation" in text) is copied
+            assert f"{mode.value} · K 2 · accepted 1" in text

@@ -6,6 +6,7 @@ from rich.table import Table
 from rich.text import Text
 from textual.widget import Widget
 
+from specchat.engine.config import Mode
 from specchat.engine.events import Provenance, RoundEvent, TokenEvent
 
 from .tokens import DESCRIPTIONS, LABELS, TOKEN_COMPONENTS, provenance_styles, token_css, visible
@@ -54,7 +55,10 @@ class Inspector(Widget):
         grid.add_row("source", label)
         grid.add_row("", Text(DESCRIPTIONS[tok.provenance], style="italic"))
         grid.add_row("p_target", _p(tok.p_target))
-        grid.add_row("p_draft", _p(tok.p_draft))
+        p_draft = _p(tok.p_draft)
+        if self.round is not None and self.round.mode is Mode.LOOKUP and tok.position is not None:
+            p_draft += "  (lookup: copied from earlier in the conversation)"
+        grid.add_row("p_draft", p_draft)
         if tok.provenance is Provenance.CORRECTED or tok.rejected_id is not None:
             refused = "—"
             if tok.rejected_id is not None:
