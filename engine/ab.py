@@ -343,8 +343,7 @@ def _first_tokens(
 ) -> tuple[int, ...]:
     """The first n_tokens of one sampled reply, or an error if the mode did not run."""
     out: list[int] = []
-    session.reset()
-    session._messages.extend(prompt.history)  # no public setter for prior turns
+    session.reset(prompt.history)
     for ev in session.stream(prompt.prompt, cfg.with_(max_new_tokens=n_tokens)):
         if isinstance(ev, TokenEvent):
             out.append(ev.token_id)

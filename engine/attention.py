@@ -11,8 +11,9 @@ that into differences of 0.06-0.9 and flip greedy choices at near-ties
 
 `rowwise_sdpa` scores each query row of a short block as the one-token step
 would: the same call, one query, the keys up to that row's position, no
-mask. Blocks longer than `MAX_ROWWISE` (prompts) take the usual path; a
-prompt is prefilled the same way in every mode. The cost is one attention
+mask. Blocks longer than `MAX_ROWWISE` (prompts) take the usual path, with
+the mask transformers makes for SDPA; a prompt is prefilled the same way in
+every mode. The cost is one attention
 call per row: ~2-3% of a verify pass on the default target.
 
 Valid for what the engine runs: one sequence, no padding, full causal
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "specchat_rowwise_sdpa"
 MAX_ROWWISE = 32  # longer blocks are prompts, not verify blocks
@@ -55,6 +57,10 @@ def rowwise_sdpa(
 
 
 AttentionInterface.register(NAME, rowwise_sdpa)
+# The masks SDPA gets. Without a mask function of its own, transformers builds no
+# mask for a custom attention, and a long block fed after a cache (a prompt that
+# continues a conversation) was then scored with a top-left causal mask.
+AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
 def supports_rowwise(model: PreTrainedModel) -> bool:

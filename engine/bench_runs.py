@@ -368,14 +368,12 @@ def fresh_conversation(session: ChatSession, prompt: BenchPrompt, system: str | 
     `session.tokens = []` makes the next turn reuse no cached prefix: it
     prefills the whole conversation, whatever the previous run left behind.
     """
-    session.reset()
+    session.reset(prompt.history)
     session.tokens = []
     session.target_runner.reset()
     if session.drafter is not None:
         session.drafter.reset()
     session.system_prompt = prompt.system if prompt.system is not None else system
-    # ChatSession has no public setter for prior turns; the conversation is its list.
-    session._messages.extend(prompt.history)
 
 
 def run_session_arm(

@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -226,9 +226,16 @@ class ChatSession:
     def messages(self) -> tuple[tuple[str, str], ...]:
         return tuple(self._messages)
 
-    def reset(self) -> None:
-        """A new conversation. The caches stay: the next turn reuses their common prefix."""
-        self._messages.clear()
+    def reset(self, history: Iterable[tuple[str, str]] = ()) -> None:
+        """A new conversation, from earlier turns if given ((role, text), role user or assistant).
+
+        The caches stay: the next turn reuses their common prefix.
+        """
+        turns = list(history)
+        bad = [role for role, _ in turns if role not in ("user", "assistant")]
+        if bad:
+            raise ValueError(f"history roles must be 'user' or 'assistant', got {bad[0]!r}")
+        self._messages[:] = turns
 
     def stream(
         self, prompt: str, config: DecodeConfig, cancel: threading.Event | None = None

@@ -83,6 +83,23 @@ def test_greedy_lookup_equals_plain_on_real_weights(stories: tuple, k: int | Non
     assert drafted > 0 and accepted > 0, "lookup never drafted or never hit: the test exercised nothing"
 
 
+@pytest.mark.parametrize("mode", [Mode.PLAIN, Mode.SPEC])
+def test_a_long_next_turn_on_cached_turns_equals_a_fresh_prefill(stories: tuple, mode: Mode) -> None:
+    """The second turn's new tokens (far more than a verify block) are prefilled on the first turn's cache."""
+    model, tok = stories
+    cfg = DecodeConfig(mode=mode, k=3, max_new_tokens=32)
+    second = "Then " + " and then ".join(PROMPTS * 3)  # well over 32 new tokens
+    chatted = ChatSession(loaded(model, tokenizer=tok), loaded(layer_truncated(model, 4), "draft", tokenizer=tok))
+    run(chatted, "Once upon a time", cfg)
+    earlier = chatted.messages
+    on_cache, fin = run(chatted, second, cfg)
+    fresh = ChatSession(loaded(model, tokenizer=tok), loaded(layer_truncated(model, 4), "draft", tokenizer=tok))
+    fresh.reset(earlier)
+    from_scratch, _ = run(fresh, second, cfg)
+    assert on_cache == from_scratch
+    assert len(on_cache) == 32
+
+
 def test_the_story_is_coherent(stories: tuple) -> None:
     model, tok = stories
     _, fin = run(

@@ -62,3 +62,24 @@ def test_sliding_window_models_are_left_alone() -> None:
     model.config.sliding_window = 16
     assert not attention.use_rowwise_attention(model)
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("new", [1, 5, attention.MAX_ROWWISE, attention.MAX_ROWWISE + 1, 2 * attention.MAX_ROWWISE + 7])
+def test_a_block_fed_after_a_cache_equals_a_fresh_prefill(new: int) -> None:
+    """Prompt-sized blocks after a cache (a conversation's next turn) keep the causal mask right.
+
+    Without a mask function registered for the row-wise attention, a block longer
+    than MAX_ROWWISE after 10 cached tokens was scored with a top-left mask:
+    logits off by ~6 on this model.
+    """
+    model = tiny_llama(seed=3, layers=3)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 200, (10 + new,), generator=g).tolist()
+    other = ids[:10] + torch.randint(3, 200, (15,), generator=g).tolist()
+    runner = ModelRunner(model, torch.device("cpu"))
+    assert model.config._attn_implementation == attention.NAME
+    runner.forward(other)
+    runner.crop_to(10)  # the shared prefix stays cached
+    continued = runner.forward(ids, keep=new)
+    fresh = ModelRunner(model, torch.device("cpu")).forward(ids, keep=new)
+    torch.testing.assert_close(continued, fresh, rtol=1e-4, atol=1e-4)

@@ -81,6 +81,24 @@ def test_multi_turn_reuse_equals_full_prefill(target: torch.nn.Module) -> None:
     assert len(reused.messages) == 4
 
 
+def test_a_conversation_can_start_from_earlier_turns(target: torch.nn.Module) -> None:
+    """reset(history) answers as if those turns had been chatted: same prompt, same reply."""
+    cfg = DecodeConfig(mode=Mode.PLAIN, max_new_tokens=10)
+    chatted = make(target)
+    list(chatted.stream("Once upon a time", cfg))
+    earlier = chatted.messages
+    want = tokens_of(list(chatted.stream("def add(a, b):", cfg)))
+
+    restored = make(target)
+    restored.reset(earlier)
+    assert restored.messages == earlier
+    assert tokens_of(list(restored.stream("def add(a, b):", cfg))) == want
+    restored.reset()
+    assert restored.messages == ()
+    with pytest.raises(ValueError, match="roles"):
+        restored.reset([("system", "be brief")])
+
+
 def test_streamed_text_handles_split_multibyte_characters() -> None:
     tok = tiny_tokenizer()
     text = "Café 東京 🙂 naïve"
