@@ -322,9 +322,11 @@ class Handler(Protocol):
     ) -> nn.Module: ...
 
 
-class _AsLoaded:
-    mode = QuantMode.NONE
-    devices = frozenset({"cpu", "cuda"})
+class _Handler:
+    """What every mode does unless it says otherwise: no checks, no load arguments, no swap."""
+
+    mode: QuantMode
+    devices: frozenset[str]
 
     def check(
         self, config: PretrainedConfig, device: torch.device, lm_head: bool, group_size: int
@@ -342,7 +344,12 @@ class _AsLoaded:
         return model
 
 
-class _BitsAndBytes:
+class _AsLoaded(_Handler):
+    mode = QuantMode.NONE
+    devices = frozenset({"cpu", "cuda"})
+
+
+class _BitsAndBytes(_Handler):
     """bitsandbytes through transformers: quantized while loading, lm_head left as loaded."""
 
     devices = frozenset({"cpu", "cuda"})
@@ -388,27 +395,11 @@ class _BitsAndBytes:
         target = f"cuda:{device.index or 0}" if device.type == "cuda" else "cpu"
         return {"quantization_config": config, "device_map": {"": target}}
 
-    def apply(
-        self, model: nn.Module, lm_head: bool, group_size: int, progress: StepProgress | None = None
-    ) -> nn.Module:
-        return model
 
-
-class _PostLoad:
+class _PostLoad(_Handler):
     """CPU modes that swap each nn.Linear for a quantized module after loading."""
 
-    mode: QuantMode
     devices = frozenset({"cpu"})
-
-    def check(
-        self, config: PretrainedConfig, device: torch.device, lm_head: bool, group_size: int
-    ) -> None:
-        return None
-
-    def load_kwargs(
-        self, device: torch.device, compute_dtype: torch.dtype | None
-    ) -> dict[str, Any]:
-        return {}
 
     def module(self, linear: nn.Linear, group_size: int) -> nn.Module:
         raise NotImplementedError
