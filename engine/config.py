@@ -32,7 +32,8 @@ class QuantMode(StrEnum):
     BNB_INT8 = "bnb-int8"  # bitsandbytes LLM.int8()
     INT8 = "int8"  # weight-only int8 (per-channel scales), fast on the CPU
     INT4 = "int4"  # weight-only int4 (grouped scales), CPU
-    W8A8 = "w8a8"  # int8 weights and per-token int8 activations (fbgemm), fastest on x86 CPUs
+    W8A8 = "w8a8"  # int8 weights and per-token int8 activations (fbgemm), x86 CPUs
+    W4A8 = "w4a8"  # int4 weights (groups of 32), int8 activations: own AVX2 kernel, x86 CPUs
 
 
 @dataclass(frozen=True, slots=True)

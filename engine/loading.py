@@ -79,6 +79,21 @@ def default_quant(role: str, device: torch.device, params: int | None = None) ->
     return QuantMode.INT4 if role == "draft" else QuantMode.INT8
 
 
+def _check_quant(
+    mode: QuantMode, config: Any, device: torch.device, report: Progress
+) -> None:
+    """quant.check, saying so first when it will compile a native kernel (once per machine)."""
+    from . import native, quant
+
+    kernel = quant.NATIVE_KERNEL.get(mode)
+    building = kernel is not None and not native.is_built(kernel)
+    if building:
+        report(LoadProgress("build", 0, 1, detail=f"{mode} kernel: compiling once for this machine"))
+    quant.check(mode, config, device)
+    if building:
+        report(LoadProgress("build", 1, 1, detail=f"{mode} kernel: built"))
+
+
 def has_fbgemm() -> bool:
     """Whether torch was built with fbgemm (x86), which w8a8 runs on."""
     return "fbgemm" in torch.backends.quantized.supported_engines
@@ -169,18 +184,17 @@ def load_model(
     if mode is None:
         mode = default_quant(role, device, _approx_params(config))
         if mode is not QuantMode.NONE:
-            from . import quant as quant_mod
             from .errors import QuantizationError
 
             try:
-                quant_mod.check(mode, config, device)
+                _check_quant(mode, config, device, report)
             except QuantizationError:
                 mode = QuantMode.NONE  # the automatic choice does not fit: load as is
     if mode is not QuantMode.NONE:
         from . import quant as quant_mod
 
         quant = quant_mod
-        quant.check(mode, config, device)
+        _check_quant(mode, config, device, report)
         kwargs.update(quant.load_kwargs(mode, device))
 
     _check_memory(config, mode, dtype, device, label)

@@ -194,6 +194,9 @@ def _quantized_bytes(mode: QuantMode, s: LinearShape, group_size: int) -> int:
         return n * k + 2 * n
     if mode is QuantMode.W8A8:
         return n * k + 12 * n  # fbgemm's packed copy (+ scales, zero points) and row sums
+    if mode is QuantMode.W4A8:  # codes, float16 scale and minimum per 32, rows padded to 4
+        rows = -(-n // 4) * 4
+        return rows * k // 2 + rows * (k // 32) * 4
     if mode is QuantMode.INT4:
         return n * k // 2 + (k // group_size) * n * 2 * 2
     raise AssertionError(mode)

@@ -30,6 +30,7 @@ TOLERANCE = {
     QuantMode.BNB_INT8: 0.04,
     QuantMode.BNB_NF4: 0.35,
     QuantMode.W8A8: 0.063,
+    QuantMode.W4A8: 0.32,
 }
 PROMPT = [[1, 17, 42, 99, 7, 123]]
 NEW_TOKENS = 6
@@ -118,7 +119,7 @@ def test_mode_loads_decodes_and_stays_close(float_dir: Path, mode: QuantMode) ->
     torch.testing.assert_close(again, full[-3:], atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("mode", [QuantMode.INT8, QuantMode.INT4, QuantMode.W8A8])
+@pytest.mark.parametrize("mode", [QuantMode.INT8, QuantMode.INT4, QuantMode.W8A8, QuantMode.W4A8])
 def test_quantized_linears_are_batch_invariant(mode: QuantMode) -> None:
     """A token's output must not depend on the other tokens of the block (verify vs decode).
 
@@ -303,7 +304,7 @@ def test_w8a8_shared_input_group_equals_separate_projections() -> None:
     torch.manual_seed(4)
     projections = [nn.Linear(64, n, bias=b) for n, b in ((64, True), (32, True), (32, False))]
     separate = [quant.Int8DynamicLinear(m) for m in projections]
-    group = quant.SharedInputGroup(projections)
+    group = quant.SharedInputGroup(projections, quant.Int8DynamicLinear)
     members = [group.member(i) for i in range(3)]
     x, other = torch.randn(5, 64), torch.randn(5, 64)
     with torch.no_grad():
@@ -345,7 +346,7 @@ def test_w8a8_never_saturates_avx2_pair_sums(monkeypatch: pytest.MonkeyPatch) ->
         assert not torch.allclose(wide(x), torch.full_like(got, want), rtol=0.01)
 
 
-@pytest.mark.parametrize("mode", [QuantMode.INT8, QuantMode.INT4, QuantMode.W8A8])
+@pytest.mark.parametrize("mode", [QuantMode.INT8, QuantMode.INT4, QuantMode.W8A8, QuantMode.W4A8])
 def test_post_load_modes_report_progress_to_the_last_module(mode: QuantMode) -> None:
     model = tiny_model(tiny_config())
     linears = sum(isinstance(m, nn.Linear) for m in model.modules())
@@ -354,7 +355,8 @@ def test_post_load_modes_report_progress_to_the_last_module(mode: QuantMode) -> 
     totals = {total for _, total in calls}
     assert len(totals) == 1
     (total,) = totals
-    # w8a8 counts a fused q/k/v or gate/up group as one step
-    assert total == linears if mode is not QuantMode.W8A8 else total < linears
+    # w8a8 and w4a8 count a fused q/k/v or gate/up group as one step
+    fused = mode in (QuantMode.W8A8, QuantMode.W4A8)
+    assert total == linears if not fused else total < linears
     assert [done for done, _ in calls] == list(range(1, total + 1))
     assert not any(type(m) is nn.Linear for m in model.modules())  # every Linear replaced

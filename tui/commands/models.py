@@ -256,7 +256,28 @@ def _fetch(args: argparse.Namespace, out: Console) -> int:
         took = ", ".join(f"{stage} {sec:.1f} s" for stage, sec in bars.seconds.items())
         out.print(f"[green]{name}[/]: ready in {time.perf_counter() - t0:.1f} s ({took})")
         out.print(f"  {path}", soft_wrap=True)
+    _build_kernels(out)
     return 0
+
+
+def _build_kernels(out: Console) -> None:
+    """Compile the native kernels now, so the first chat does not wait for the compiler."""
+    from specchat.engine import native
+    from specchat.engine.errors import QuantizationError
+
+    for kernel in native.KERNELS:
+        if native.is_built(kernel) or native.cpu_supports(kernel):
+            continue
+        out.print(f"[bold]{kernel} kernel[/]: compiling for this machine (once)")
+        t0 = time.perf_counter()
+        try:
+            native.load(kernel)
+        except QuantizationError as exc:  # the other modes still work: say so, do not fail
+            out.print(f"[yellow]{kernel} kernel[/]: not built: {exc.message}", soft_wrap=True)
+            out.print(f"  [dim]hint:[/] {exc.hint}", soft_wrap=True)
+            continue
+        took = time.perf_counter() - t0
+        out.print(f"[green]{kernel} kernel[/]: built in {took:.1f} s at {native.build_dir(kernel)}")
 
 
 # -- verify, path, rm -------------------------------------------------------------------

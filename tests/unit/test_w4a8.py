@@ -1,0 +1,161 @@
+"""The w4a8 kernel (engine/csrc/w4a8.cpp) against the same arithmetic written in torch.
+
+The reference dequantizes the int4 codes and quantizes activations to int8 per 32
+values exactly as the kernel does, so the two differ only by float summation order:
+a kernel bug (a wrong nibble, layout, scale or row) shows as an error of ~1e-1 or
+more, summation order as ~1e-6.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from specchat.engine import native, quant
+from specchat.engine.errors import QuantizationError
+
+pytestmark = pytest.mark.skipif(
+    native.cpu_supports("w4a8") is not None, reason=str(native.cpu_supports("w4a8"))
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    native.load("w4a8")
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, in float64: dequantized int4 weights times int8 activations."""
+    codes, scales, mins = quant.quantize_w4a8(weight)
+    n, k = weight.shape
+    g = quant.W4A8_GROUP
+    w = codes.double().reshape(n, k // g, g) * scales.double()[..., None] + mins.double()[..., None]
+    xb = x.double().reshape(x.shape[0], k // g, g)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    d = (amax.float() / 127).double()  # the kernel's scale: float32 amax / 127
+    inv = torch.where(amax > 0, (127 / amax.float()).double(), torch.zeros_like(amax))
+    qa = torch.round((xb.float() * inv.float()).double())  # round half to even, as vroundps
+    xa = (qa * d).reshape(x.shape[0], k)
+    return xa @ w.reshape(n, k).T
+
+
+def kernel(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    packed, scales, mins = quant.pack_w4a8(weight)
+    return torch.ops.specchat.w4a8_linear(x.contiguous(), packed, scales, mins, weight.shape[0])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    m=st.integers(1, 9),
+    n=st.integers(1, 37),
+    pairs=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_kernel_equals_the_reference_arithmetic(m: int, n: int, pairs: int, seed: int) -> None:
+    """Any rows M (1..9 covers the 2-row and 1-row code paths), any N (padding to 4 rows)."""
+    gen = torch.Generator().manual_seed(seed)
+    k = 64 * pairs
+    weight = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)
+    x = torch.randn(m, k, generator=gen) * 3
+    x[0, : k // 2] = 0.0  # an all-zero activation group: scale 0, no division by zero
+    got = kernel(x, weight).double()
+    want = reference(x, weight)
+    err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
+    assert err < 1e-5, f"M={m} N={n} K={k}: max error {err:.2e} of the largest output"
+
+
+def test_codes_use_the_full_grid_and_reconstruct_the_extremes() -> None:
+    weight = torch.randn(8, 128)
+    codes, scales, mins = quant.quantize_w4a8(weight)
+    assert codes.min() == 0 and codes.max() == 15
+    assert scales.dtype == mins.dtype == torch.float16
+    w = codes.float().reshape(8, 4, 32) * scales.float()[..., None] + mins.float()[..., None]
+    err = (w.reshape(8, 128) - weight).abs().reshape(8, 4, 32).amax(-1)
+    assert (err <= scales.float() * 0.5 + 1e-3).all()  # within half a step (+ float16 rounding)
+
+
+def test_layer_matches_float_linear_closely() -> None:
+    """Quantization error on a realistic layer: int4 weights bound it (measured 0.06 relative)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 96, bias=True)
+    layer = quant.W4A8Linear(linear)
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        rel = float((layer(x) - linear(x)).norm() / linear(x).norm())
+    assert rel < 0.1
+
+
+def test_kernel_refuses_mismatched_weights() -> None:
+    packed, scales, mins = quant.pack_w4a8(torch.randn(8, 128))
+    with pytest.raises(RuntimeError, match="do not match"):
+        torch.ops.specchat.w4a8_linear(torch.randn(1, 192), packed, scales, mins, 8)
+    with pytest.raises(RuntimeError, match="float16"):
+        torch.ops.specchat.w4a8_linear(torch.randn(1, 128), packed, scales.float(), mins, 8)
+
+
+def test_in_features_not_a_multiple_of_64_is_refused_with_a_reason() -> None:
+    with pytest.raises(QuantizationError, match="divisible by 64; .* has 96"):
+        from transformers import LlamaConfig
+
+        config = LlamaConfig(
+            hidden_size=96, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, vocab_size=64,
+        )
+        quant.check(quant.QuantMode.W4A8, config, torch.device("cpu"))
+
+
+def test_a_machine_without_a_compiler_gets_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: object
+) -> None:
+    """No compiler: the error names what is missing and the modes that need nothing."""
+    from torch.utils import cpp_extension
+
+    def fail(**_kwargs: object) -> None:
+        raise RuntimeError("Error building extension 'specchat_w4a8'\ng++: not found")
+
+    monkeypatch.setattr(native, "_built", {})
+    monkeypatch.setattr(cpp_extension, "load", fail)
+    with pytest.raises(QuantizationError) as info:
+        native.load("w4a8")
+    assert "could not build the w4a8 kernel: g++: not found" in info.value.message
+    assert "C++ compiler" in info.value.hint and "w8a8" in info.value.hint
+
+
+def test_loading_says_when_it_compiles_the_kernel(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: object
+) -> None:
+    """The first load on a machine compiles for ~30 s: the load screen must say why it waits."""
+    from pathlib import Path
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specchat.engine.config import ModelSpec, QuantMode
+    from specchat.engine.events import LoadProgress
+    from specchat.engine.loading import load_model
+
+    folder = Path(str(tmp_path)) / "tiny"
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=96,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    (folder / "tokenizer.json").write_text("{}")  # never read: the tokenizer load is patched
+    import specchat.engine.loading as loading
+
+    monkeypatch.setattr(loading.AutoTokenizer, "from_pretrained", lambda *a, **k: object())
+    monkeypatch.setattr(native, "is_built", lambda kernel: False)  # as on a new machine
+    events: list[LoadProgress] = []
+    spec = ModelSpec(str(folder), QuantMode.W4A8, dtype="float32", device="cpu")
+    loaded = load_model(spec, "target", progress=events.append)
+    builds = [(e.done, e.total) for e in events if e.stage == "build"]
+    assert builds == [(0, 1), (1, 1)]
+    assert [e.stage for e in events].index("build") < [e.stage for e in events].index("load")
+    assert any(isinstance(m, quant.W4A8Linear) for m in loaded.model.modules())
