@@ -46,14 +46,56 @@ def rowwise_sdpa(
     if q_len > MAX_ROWWISE:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     kwargs.pop("is_causal", None)
+    one = _one_query if _plain_attention(module, kwargs) else _one_query_sdpa
     rows = []
     for i in range(q_len):
         end = kv_len - (q_len - 1 - i)  # row i sees the keys up to its own position
-        out, _ = sdpa_attention_forward(
-            module, query[:, :, i : i + 1], key[:, :, :end], value[:, :, :end], None, **kwargs
-        )
-        rows.append(out)  # [B, 1, H, D]
+        rows.append(one(module, query[:, :, i : i + 1], key[:, :, :end], value[:, :, :end], kwargs))
     return (rows[0] if q_len == 1 else torch.cat(rows, dim=1)), None
+
+
+def _plain_attention(module: torch.nn.Module, kwargs: dict[str, Any]) -> bool:
+    """No softcapping, sinks or dropout: softmax(q k^T * scaling) v is the whole computation."""
+    return (
+        kwargs.get("softcap") is None
+        and kwargs.get("s_aux") is None
+        and getattr(module, "sinks", None) is None
+        and not kwargs.get("dropout")
+        and "scaling" in kwargs
+    )
+
+
+def _one_query(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [B, H, 1, D]
+    key: torch.Tensor,  # [B, H_kv, T, D]
+    value: torch.Tensor,
+    kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """One query against T keys as two small matmuls, the query heads grouped by key head.
+
+    torch's CPU SDPA takes its flash kernel for one query, which was 1.2 ms a layer
+    at 1,024 cached tokens on the 1.5B target (6x what the matmuls cost), the
+    largest cost after the GEMMs at long contexts. Returns [B, 1, H, D].
+    """
+    b, h, _, d = query.shape
+    h_kv = key.shape[1]
+    q = query.reshape(b, h_kv, h // h_kv, d)  # head j*rep+r reads key head j, as repeat_kv
+    scores = torch.matmul(q, key.transpose(-1, -2)) * kwargs["scaling"]  # [B, H_kv, rep, T]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    out = torch.matmul(probs, value)  # [B, H_kv, rep, D]
+    return out.reshape(b, 1, h, d)
+
+
+def _one_query_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kwargs: dict[str, Any],
+) -> torch.Tensor:
+    out, _ = sdpa_attention_forward(module, query, key, value, None, **kwargs)
+    return out  # [B, 1, H, D]
 
 
 AttentionInterface.register(NAME, rowwise_sdpa)

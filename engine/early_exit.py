@@ -40,6 +40,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from .config import DecodeConfig
 from .errors import EngineError
 from .events import Provenance
+from .kv_cache import new_cache
 from .runner import ModelRunner
 from .sampling import logits_to_probs, sample
 from .speculative import Emitted, RoundResult
@@ -414,7 +415,7 @@ class SelfSpecDrafter:
         self.name = f"self-spec E={exit_layer}"
         self.device = target.device
         self.shared = runner
-        self.cache = DynamicCache(config=target.model.config)
+        self.cache = new_cache(target.model.config)
         self.cached = 0  # own cache only
 
     def propose(
@@ -474,5 +475,5 @@ class SelfSpecDrafter:
 
     def reset(self) -> None:
         if self.shared is None:
-            self.cache = DynamicCache(config=self.stack.config)
+            self.cache = new_cache(self.stack.config)
             self.cached = 0

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from .attention import use_rowwise_attention
+from .kv_cache import new_cache
 
 
 class ModelRunner:
@@ -22,7 +23,7 @@ class ModelRunner:
         self.model = model
         self.device = device
         use_rowwise_attention(model)
-        self.cache = DynamicCache(config=model.config)
+        self.cache = new_cache(model.config)
         self.cached = 0
         head = model.get_output_embeddings()
         # Rows of the output projection (quantized heads have no .weight).
@@ -30,7 +31,7 @@ class ModelRunner:
         self.vocab = int(rows or model.config.vocab_size)
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = new_cache(self.model.config)
         self.cached = 0
 
     def crop_to(self, n: int) -> None:

@@ -83,3 +83,22 @@ def test_a_block_fed_after_a_cache_equals_a_fresh_prefill(new: int) -> None:
     continued = runner.forward(ids, keep=new)
     fresh = ModelRunner(model, torch.device("cpu")).forward(ids, keep=new)
     torch.testing.assert_close(continued, fresh, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_len", [1, 7, 300])
+def test_one_query_matmuls_agree_with_sdpa(kv_len: int) -> None:
+    """The single-query path (two matmuls over grouped heads) computes SDPA's result."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(kv_len)
+    module = torch.nn.Module()
+    module.num_key_value_groups = 3  # type: ignore[assignment]
+    module.is_causal = True  # type: ignore[assignment]
+    q = torch.randn(1, 6, 1, 16)
+    k, v = torch.randn(1, 2, kv_len, 16), torch.randn(1, 2, kv_len, 16)
+    kwargs = {"scaling": 16**-0.5, "dropout": 0.0}
+    assert attention._plain_attention(module, kwargs)
+    got = attention._one_query(module, q, k, v, kwargs)
+    want, _ = sdpa_attention_forward(module, q, k, v, None, **kwargs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert not attention._plain_attention(module, {**kwargs, "softcap": 30.0})
