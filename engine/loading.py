@@ -57,26 +57,40 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def default_quant(role: str, device: torch.device, params: int | None = None) -> QuantMode:
-    """The quantization a model gets when none is asked for, chosen by measurement.
+    """The quantization a model gets when none is asked for: the first of `default_quants`."""
+    return default_quants(role, device, params)[0]
+
+
+def default_quants(
+    role: str, device: torch.device, params: int | None = None
+) -> tuple[QuantMode, ...]:
+    """The quantizations to try, best first, when none is asked for; chosen by measurement.
 
     On CUDA, bitsandbytes 4-bit for both (bnb-int8 picks its outlier columns over
     the whole verify block, so a token's logits would depend on its neighbours
-    and speculative output would drift from plain output). On x86 CPUs, w8a8
-    for both: about 2x faster per token than weight-only int8 at 98.4% top-1
-    agreement with float32 on the dev prompts (int8: 98.8%), and a verify block
-    of K+1 tokens costs 1.2-1.4 steps instead of 2-3, which is what lets
-    speculation pay. Without fbgemm (non-x86), int8 for the target and int4
-    for the draft. Models under 50M parameters stay as loaded: their shapes
-    rarely fit the kernels and they are fast anyway. Figures:
+    and speculative output would drift from plain output). On x86 CPUs with
+    AVX2, w4a8 for both: ~1.5x faster per token than w8a8 (half the bytes a
+    weight, read by specchat's own kernel) at 96.2% top-1 agreement with float32
+    on the dev prompts (w8a8: 98.4%). Where its kernel cannot be built (no
+    compiler), w8a8 through fbgemm: ~2x weight-only int8, and a verify block of
+    K+1 tokens costs 1.2-1.4 steps. Without fbgemm (non-x86), int8 for the target
+    and int4 for the draft. Models under 50M parameters stay as loaded: their
+    shapes rarely fit the kernels and they are fast anyway. Figures:
     docs/quantization.md, docs/performance.md.
     """
     if params is not None and params < 50_000_000:
-        return QuantMode.NONE
+        return (QuantMode.NONE,)
     if device.type == "cuda":
-        return QuantMode.BNB_NF4
+        return (QuantMode.BNB_NF4,)
+    from .native import cpu_supports
+
+    modes: list[QuantMode] = []
+    if cpu_supports("w4a8") is None:
+        modes.append(QuantMode.W4A8)
     if has_fbgemm():
-        return QuantMode.W8A8
-    return QuantMode.INT4 if role == "draft" else QuantMode.INT8
+        modes.append(QuantMode.W8A8)
+    modes.append(QuantMode.INT4 if role == "draft" else QuantMode.INT8)
+    return tuple(modes)
 
 
 def _check_quant(
@@ -92,6 +106,25 @@ def _check_quant(
     quant.check(mode, config, device)
     if building:
         report(LoadProgress("build", 1, 1, detail=f"{mode} kernel: built"))
+
+
+def _first_that_fits(
+    modes: tuple[QuantMode, ...], config: Any, device: torch.device, report: Progress
+) -> QuantMode:
+    """The first automatic choice that works here, saying why each earlier one did not."""
+    from .errors import QuantizationError
+
+    for i, mode in enumerate(modes):
+        if mode is QuantMode.NONE:
+            return mode
+        try:
+            _check_quant(mode, config, device, report)
+        except QuantizationError as exc:
+            then = modes[i + 1] if i + 1 < len(modes) else QuantMode.NONE
+            report(LoadProgress("quantize", 0, None, detail=f"{mode}: {exc.message}; using {then}"))
+            continue
+        return mode
+    return QuantMode.NONE  # none fits: load as is
 
 
 def has_fbgemm() -> bool:
@@ -182,14 +215,9 @@ def load_model(
     quant: Any = None
     mode = spec.quant
     if mode is None:
-        mode = default_quant(role, device, _approx_params(config))
-        if mode is not QuantMode.NONE:
-            from .errors import QuantizationError
-
-            try:
-                _check_quant(mode, config, device, report)
-            except QuantizationError:
-                mode = QuantMode.NONE  # the automatic choice does not fit: load as is
+        mode = _first_that_fits(
+            default_quants(role, device, _approx_params(config)), config, device, report
+        )
     if mode is not QuantMode.NONE:
         from . import quant as quant_mod
 

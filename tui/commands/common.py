@@ -32,14 +32,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--target-quant",
         choices=quants,
         default="auto",
-        help="target quantization (auto: w8a8 on x86 CPUs, bnb-nf4 on CUDA; "
+        help="target quantization (auto: w4a8 on x86 CPUs with AVX2, else w8a8; bnb-nf4 on CUDA; "
         "small models stay as loaded)",
     )
     g.add_argument(
         "--draft-quant",
         choices=quants,
         default="auto",
-        help="draft quantization (auto: w8a8 on x86 CPUs, bnb-nf4 on CUDA)",
+        help="draft quantization (auto: as the target)",
     )
     g.add_argument(
         "--draft-vocab",
