@@ -404,6 +404,19 @@ def _first_bad(
     return None
 
 
+def _require_in_multiple(
+    mode: QuantMode, config: PretrainedConfig, lm_head: bool, multiple: int, hint: str
+) -> None:
+    """Refuse, naming the first offending Linear, unless every in_features is a multiple."""
+    bad = _first_bad(_quantized_shapes(config, lm_head), in_multiple=multiple)
+    if bad is not None:
+        raise QuantizationError(
+            f"{mode} needs every Linear's in_features to be a multiple of {multiple}; "
+            f"{bad.name} has {bad.in_features}",
+            hint=f"{hint} for this model",
+        )
+
+
 # --------------------------------------------------------------------------- handlers
 
 
@@ -526,13 +539,7 @@ class _Int8WeightOnly(_PostLoad):
         self, config: PretrainedConfig, device: torch.device, lm_head: bool, group_size: int
     ) -> None:
         # The CPU kernel reads in_features in steps of 8 and crashes the process otherwise.
-        bad = _first_bad(_quantized_shapes(config, lm_head), in_multiple=8)
-        if bad is not None:
-            raise QuantizationError(
-                f"int8 needs every Linear's in_features to be a multiple of 8; "
-                f"{bad.name} has {bad.in_features}",
-                hint="use bnb-int8 or none for this model",
-            )
+        _require_in_multiple(self.mode, config, lm_head, 8, hint="use bnb-int8 or none")
 
     def module(self, linear: nn.Linear, group_size: int) -> nn.Module:
         return Int8WeightOnlyLinear(linear)
@@ -617,13 +624,7 @@ class _W4A8(_SharedInputs):
     def check(
         self, config: PretrainedConfig, device: torch.device, lm_head: bool, group_size: int
     ) -> None:
-        bad = _first_bad(_quantized_shapes(config, lm_head), in_multiple=W4A8_IN_MULTIPLE)
-        if bad is not None:
-            raise QuantizationError(
-                f"w4a8 needs in_features divisible by {W4A8_IN_MULTIPLE}; "
-                f"{bad.name} has {bad.in_features}",
-                hint="use w8a8 or int8",
-            )
+        _require_in_multiple(self.mode, config, lm_head, W4A8_IN_MULTIPLE, hint="use w8a8 or int8")
         from . import native
 
         native.load(NATIVE_KERNEL[self.mode])  # compiles once per machine; raises with the reason

@@ -1,12 +1,13 @@
 """The embedded default pair as `specchat` runs it on a CPU: the automatic quantization
-(w8a8 target and draft on x86), greedy speculative output equal to plain output of the
-same quantized target. Its own module, so the float32 pair of test_default_pair_spec.py
+(w4a8 target and draft on x86 with AVX2), greedy speculative output equal to plain output
+of the same quantized target. Its own module, so the float32 pair of test_default_pair_spec.py
 is released before this one loads.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specchat.engine import loading
 from specchat.engine.config import DecodeConfig, Mode
@@ -17,7 +18,10 @@ pytestmark = pytest.mark.slow
 
 def test_greedy_speculative_equals_plain_with_the_default_quantization() -> None:
     session = load_pair(None)
-    assert session.target.info.quant == ("w8a8" if loading.has_fbgemm() else "int8")
+    cpu = torch.device("cpu")
+    assert session.target.info.quant == loading.default_quant("target", cpu, 1_500_000_000)
+    assert session.draft is not None
+    assert session.draft.info.quant == loading.default_quant("draft", cpu, 500_000_000)
     plain, p = reply(session, DecodeConfig(mode=Mode.PLAIN, max_new_tokens=32))
     spec, s = reply(session, DecodeConfig(mode=Mode.SPEC, k=4, max_new_tokens=32))
     assert spec == plain
