@@ -102,7 +102,9 @@ def _check_quant(
     kernel = quant.NATIVE_KERNEL.get(mode)
     building = kernel is not None and not native.is_built(kernel)
     if building:
-        report(LoadProgress("build", 0, 1, detail=f"{mode} kernel: compiling once for this machine"))
+        # no fraction to show while the compiler runs: an indeterminate bar
+        detail = f"{mode} kernel: compiling once for this machine (about 30 s)"
+        report(LoadProgress("build", 0, None, detail=detail))
     quant.check(mode, config, device)
     if building:
         report(LoadProgress("build", 1, 1, detail=f"{mode} kernel: built"))
