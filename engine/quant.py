@@ -38,7 +38,8 @@ Modes:
   channels, activations quantized to int8 per 32 values, through specchat's
   own AVX2 kernel (csrc/w4a8.cpp, compiled on first use by engine/native.py).
   Half the bytes of int8 per token and a kernel that streams them: 2-3x
-  fbgemm's speed at one row; a block of K+1 rows costs more than fbgemm's,
+  fbgemm's speed on one layer at one row, ~1.5x per decode step of the 1.5B;
+  a block of K+1 rows costs more than fbgemm's,
   since the int4 groups cost a float scale per 32 products (`W4A8Linear`).
 
 All the post-load kernels compute every output row from its own input row
