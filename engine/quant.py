@@ -79,70 +79,81 @@ _ROWS_PER_CHUNK = 8192  # quantize large weights (the lm_head) in slices to boun
 # --------------------------------------------------------------------------- modules
 
 
-class Int8WeightOnlyLinear(nn.Module):
-    """y = x @ (int8 weight * per-channel scale)^T + bias, via `aten._weight_int8pack_mm`."""
+class _QuantizedLinear(nn.Module):
+    """What every post-load module shares: the Linear's shape and bias, and a forward that
+    flattens the input to rows [M, K] in the kernel's dtype, calls `rows`, and restores the
+    input's shape and dtype before adding the bias."""
 
-    weight_int8: torch.Tensor  # [N, K] int8
-    scales: torch.Tensor  # [N] bf16
+    compute_dtype = torch.float32  # the dtype `rows` takes
     bias: torch.Tensor | None  # [N], in the model's dtype
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        if linear.in_features % 8:  # the kernel would read past the row and crash the process
-            raise QuantizationError(f"int8 needs in_features % 8 == 0, got {linear.in_features}")
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        weight_int8, scales = quantize_int8(linear.weight.detach())
-        self.register_buffer("weight_int8", weight_int8)
-        self.register_buffer("scales", scales)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def rows(self, x2: torch.Tensor) -> torch.Tensor:
+        """[M, K] contiguous, in compute_dtype -> [M, N]."""
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape  # [..., K]
-        x2 = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()  # [M, K]
-        y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scales)  # [M, N]
-        y = y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+        x2 = x.reshape(-1, self.in_features).to(self.compute_dtype).contiguous()  # [M, K]
+        y = self.rows(x2).reshape(*shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+
+class Int8WeightOnlyLinear(_QuantizedLinear):
+    """y = x @ (int8 weight * per-channel scale)^T + bias, via `aten._weight_int8pack_mm`."""
+
+    compute_dtype = _COMPUTE_DTYPE
+    weight_int8: torch.Tensor  # [N, K] int8
+    scales: torch.Tensor  # [N] bf16
+
+    def __init__(self, linear: nn.Linear) -> None:
+        if linear.in_features % 8:  # the kernel would read past the row and crash the process
+            raise QuantizationError(f"int8 needs in_features % 8 == 0, got {linear.in_features}")
+        super().__init__(linear)
+        weight_int8, scales = quantize_int8(linear.weight.detach())
+        self.register_buffer("weight_int8", weight_int8)
+        self.register_buffer("scales", scales)
+
+    def rows(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scales)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
 
 
-class Int4WeightOnlyLinear(nn.Module):
+class Int4WeightOnlyLinear(_QuantizedLinear):
     """y = x @ dequant(int4 weight)^T + bias, via torch's tinygemm CPU kernel.
 
     Dequantization, per group of `group_size` input channels:
     w = (q - 8) * scale + zero, q in [0, 15].
     """
 
+    compute_dtype = _COMPUTE_DTYPE
     weight_int4pack: torch.Tensor  # [N, K / 2] uint8, the kernel's packed layout
     scales_and_zeros: torch.Tensor  # [K / group_size, N, 2] bf16
-    bias: torch.Tensor | None
 
     def __init__(self, linear: nn.Linear, group_size: int) -> None:
-        super().__init__()
         n, k = linear.out_features, linear.in_features
         if group_size not in INT4_GROUP_SIZES or k % group_size or n % 16:
             raise QuantizationError(
                 f"int4 needs a group size in {INT4_GROUP_SIZES} dividing in_features and "
                 f"out_features % 16 == 0; got group {group_size} for {k} -> {n}"
             )
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
+        super().__init__(linear)
         self.group_size = group_size
         packed, scales_and_zeros = quantize_int4(linear.weight.detach(), group_size)
         self.register_buffer("weight_int4pack", packed)
         self.register_buffer("scales_and_zeros", scales_and_zeros)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape  # [..., K]
-        x2 = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype).contiguous()
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+    def rows(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2, self.weight_int4pack, self.group_size, self.scales_and_zeros
-        )  # [M, N]
-        y = y.reshape(*shape[:-1], self.out_features).to(x.dtype)
-        return y if self.bias is None else y + self.bias
+        )
 
     def extra_repr(self) -> str:
         return (
@@ -151,7 +162,7 @@ class Int4WeightOnlyLinear(nn.Module):
         )
 
 
-class Int8DynamicLinear(nn.Module):
+class Int8DynamicLinear(_QuantizedLinear):
     """y = x @ (int8 weight * per-channel scale)^T + bias, activations int8 per token (fbgemm).
 
     fbgemm quantizes its whole input with one (scale, zero point) taken from
@@ -164,12 +175,9 @@ class Int8DynamicLinear(nn.Module):
     """
 
     weight_sums: torch.Tensor  # [N] float32, row sums of the dequantized weight
-    bias: torch.Tensor | None
 
     def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
+        super().__init__(linear)
         q, scales = quantize_int8(linear.weight.detach(), W8A8_WEIGHT_MAX)
         scales64 = scales.double()
         zeros = torch.zeros(self.out_features, dtype=torch.long)
@@ -189,18 +197,13 @@ class Int8DynamicLinear(nn.Module):
         # Integer row sums are exact (|sum| <= 127 K); one rounding when scaled.
         sums = q.sum(dim=1, dtype=torch.int32).double() * scales64
         self.register_buffer("weight_sums", sums.float())
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape  # [..., K]
-        x2 = x.reshape(-1, self.in_features).float()  # [M, K]
+    def rows(self, x2: torch.Tensor) -> torch.Tensor:
         lo, hi = torch.aminmax(x2, dim=1, keepdim=True)  # [M, 1]
         span = (hi - lo).clamp_min(1e-30)
         u = (x2 - lo) / span  # min exactly 0, max exactly 1 (x / x == 1 in IEEE)
         y = torch.ops.quantized.linear_dynamic(u, self._packed, self.reduce_range)  # [M, N]
-        y = torch.addcmul(lo * self.weight_sums, y, span)
-        y = y.reshape(*shape[:-1], self.out_features).to(x.dtype)
-        return y if self.bias is None else y + self.bias
+        return torch.addcmul(lo * self.weight_sums, y, span)
 
     def extra_repr(self) -> str:
         return (
@@ -244,7 +247,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     return packed, scales_and_zeros
 
 
-class W4A8Linear(nn.Module):
+class W4A8Linear(_QuantizedLinear):
     """y = x @ (int4 weight, grouped scale and minimum)^T + bias, activations int8 per 32 values.
 
     The weights live in the kernel's layout (`pack_w4a8`); `torch.ops.specchat.w4a8_linear`
@@ -254,24 +257,18 @@ class W4A8Linear(nn.Module):
     packed: torch.Tensor  # [N/4, K/64, 4, 32] uint8: two 4-bit codes a byte
     scales: torch.Tensor  # [N/4, K/64, 8] float16
     mins: torch.Tensor  # [N/4, K/64, 8] float16
-    bias: torch.Tensor | None
 
     def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
+        super().__init__(linear)
         packed, scales, mins = pack_w4a8(linear.weight.detach())
         self.register_buffer("packed", packed)
         self.register_buffer("scales", scales)
         self.register_buffer("mins", mins)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape  # [..., K]
-        x2 = x.reshape(-1, self.in_features).float().contiguous()  # [M, K]
-        y = torch.ops.specchat.w4a8_linear(x2, self.packed, self.scales, self.mins, self.out_features)
-        y = y.reshape(*shape[:-1], self.out_features).to(x.dtype)
-        return y if self.bias is None else y + self.bias
+    def rows(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch.ops.specchat.w4a8_linear(
+            x2, self.packed, self.scales, self.mins, self.out_features
+        )
 
     def extra_repr(self) -> str:
         return (
