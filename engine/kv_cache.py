@@ -59,6 +59,23 @@ class GrowingLayer(DynamicLayer):
             v[:, :, : self._len] = self._v[:, :, : self._len]
         self._k, self._v = k, v
 
+    def reserve(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value buffers [B, H, capacity, D], grown to hold at least n positions.
+
+        For writers that fill positions themselves (engine/decoder.py) and then call
+        `set_length`. The layer must have been written to before (shapes, dtype).
+        """
+        if self._k is None or self._v is None:
+            raise ValueError("reserve() needs a layer that holds keys already")
+        if n > self._k.shape[-2]:
+            self._grow(self._k[:, :, :0], self._v[:, :, :0], n)
+        assert self._k is not None and self._v is not None
+        return self._k, self._v
+
+    def set_length(self, n: int) -> None:
+        """Declare positions [0, n) filled (after writing them into the `reserve`d buffers)."""
+        self._set_length(n)
+
     def _set_length(self, n: int) -> None:
         assert self._k is not None and self._v is not None
         self._len = n

@@ -110,6 +110,30 @@ def _check_quant(
         report(LoadProgress("build", 1, 1, detail=f"{mode} kernel: built"))
 
 
+def _build_decoder(config: Any, device: torch.device, report: Progress) -> None:
+    """Compile the native decoder kernel (engine/decoder.py) where it will serve, saying so.
+
+    A failed build is not an error: decoding then runs through transformers' modules,
+    and the runner says why (`ModelRunner.native_off`).
+    """
+    from . import decoder, native
+    from .errors import QuantizationError
+
+    if device.type != "cpu" or getattr(config, "model_type", None) not in decoder.ARCHITECTURES:
+        return
+    building = not native.is_built("decoder")
+    if building:
+        detail = "decoder kernel: compiling once for this machine (about 30 s)"
+        report(LoadProgress("build", 0, None, detail=detail))
+    try:
+        native.load("decoder")
+    except QuantizationError as exc:
+        report(LoadProgress("build", 1, 1, detail=f"decoder kernel: {exc.message}; using Python"))
+        return
+    if building:
+        report(LoadProgress("build", 1, 1, detail="decoder kernel: built"))
+
+
 def _first_that_fits(
     modes: tuple[QuantMode, ...], config: Any, device: torch.device, report: Progress
 ) -> QuantMode:
@@ -269,6 +293,7 @@ def load_model(
         model = quant.apply(model, mode, progress=quantized)
     model.eval()
     model.requires_grad_(False)
+    _build_decoder(config, device, report)
     report(
         LoadProgress(
             "load", 1, 1, detail=f"{role}: {resolved.name} in {time.perf_counter() - t0:.1f}s"

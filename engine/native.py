@@ -4,12 +4,15 @@ torch's own extension builder compiles them with the machine's C++ compiler
 (gcc or clang, with ninja) into the cache folder, keyed by a hash of the
 source, the compiler flags and the torch version, so a build happens once per
 machine and source; later processes load the built library in milliseconds.
-The kernels register as torch ops (`torch.ops.specchat.*`): no Python module,
+The kernels register with torch (`torch.ops.specchat.w4a8_linear`,
+`torch.classes.specchat.Decoder`): no Python module,
 no pybind11, and parallel loops run on torch's own thread pool.
 
-A machine that cannot build them (no compiler, not x86 with AVX2) gets a
-`QuantizationError` that says why and which mode to use instead; nothing
-here is needed by the other modes.
+A machine that cannot build them (no compiler; w4a8 also needs x86 with
+AVX2) gets a `QuantizationError` that says why and what to use instead.
+Nothing here is required: the other quantization modes need no kernel of
+ours, and without the decoder kernel decoding runs through transformers'
+modules (engine/decoder.py), slower but with the same results.
 """
 
 from __future__ import annotations
@@ -25,15 +28,22 @@ import torch
 
 from .errors import QuantizationError
 
-_SOURCES = {"w4a8": Path(__file__).with_name("csrc") / "w4a8.cpp"}
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = {"w4a8": _CSRC / "w4a8.cpp", "decoder": _CSRC / "decoder.cpp"}
 KERNELS = tuple(_SOURCES)
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG"]
+_FLAGS = {
+    "w4a8": ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG"],
+    "decoder": ["-O2", "-DNDEBUG"],  # only calls ATen: any x86-64 or ARM CPU
+}
+_NEEDS_AVX2 = {"w4a8"}
 _lock = threading.Lock()
 _built: dict[str, str] = {}  # kernel -> library path, once loaded in this process
 
 
 def cpu_supports(kernel: str) -> str | None:
     """Why this CPU cannot run `kernel`, or None when it can."""
+    if kernel not in _NEEDS_AVX2:
+        return None
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"the {kernel} kernel is for x86-64 CPUs; this is {platform.machine()}"
     capability = torch.backends.cpu.get_cpu_capability()
@@ -47,7 +57,7 @@ def build_dir(kernel: str) -> Path:
     from .fetch import cache_root
 
     key = hashlib.sha256(_SOURCES[kernel].read_bytes())
-    key.update(" ".join(_FLAGS).encode())
+    key.update(" ".join(_FLAGS[kernel]).encode())
     key.update(torch.__version__.encode())
     return cache_root() / "kernels" / f"{kernel}-{key.hexdigest()[:16]}"
 
@@ -85,8 +95,8 @@ def load(kernel: str) -> None:
             library = cpp_extension.load(
                 name=f"specchat_{kernel}",
                 sources=[str(_SOURCES[kernel])],
-                extra_cflags=_FLAGS,
-                extra_ldflags=["-fopenmp"],
+                extra_cflags=_FLAGS[kernel],
+                extra_ldflags=["-fopenmp"] if "-fopenmp" in _FLAGS[kernel] else [],
                 build_directory=str(folder),
                 is_python_module=False,
                 verbose=bool(os.environ.get("SPECCHAT_VERBOSE_BUILD")),
@@ -94,8 +104,8 @@ def load(kernel: str) -> None:
         except (RuntimeError, OSError, ImportError) as exc:  # no compiler, no ninja, bad build
             raise QuantizationError(
                 f"could not build the {kernel} kernel: {str(exc).strip().splitlines()[-1]}",
-                hint="it needs a C++ compiler (gcc or clang) and ninja; "
-                "or use w8a8 or int8, which need neither. "
-                "SPECCHAT_VERBOSE_BUILD=1 shows the compiler's output",
+                hint="it needs a C++ compiler (gcc or clang) and ninja"
+                + ("; or use w8a8 or int8, which need neither" if kernel == "w4a8" else "")
+                + ". SPECCHAT_VERBOSE_BUILD=1 shows the compiler's output",
             ) from exc
         _built[kernel] = str(library)

@@ -15,6 +15,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from .attention import use_rowwise_attention
+from .decoder import native_decoder
 from .kv_cache import new_cache
 
 
@@ -29,6 +30,9 @@ class ModelRunner:
         # Rows of the output projection (quantized heads have no .weight).
         rows = getattr(head, "vocab", None) or getattr(head, "out_features", None)
         self.vocab = int(rows or model.config.vocab_size)
+        # Decode steps and verify blocks in one native call where the model allows it
+        # (engine/decoder.py); `native_off` says why not otherwise.
+        self.native, self.native_off = native_decoder(model)
 
     def reset(self) -> None:
         self.cache = new_cache(self.model.config)
@@ -48,6 +52,10 @@ class ModelRunner:
         n = int(ids.shape[-1])
         if n == 0:
             raise ValueError("feed() needs at least one new token")
+        if self.native is not None and self.native.usable(self.cache, self.cached, n):
+            logits = self.native.feed(ids, self.cache, self.cached, min(keep, n))
+            self.cached += n
+            return logits
         out = self.model(
             input_ids=ids.view(1, n),
             cache=self.cache,

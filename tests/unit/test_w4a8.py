@@ -139,8 +139,9 @@ def test_loading_says_when_it_compiles_the_kernel(
     events: list[LoadProgress] = []
     spec = ModelSpec(str(tmp_path), QuantMode.W4A8, dtype="float32", device="cpu")
     loaded = load_model(spec, "target", progress=events.append)
-    builds = [(e.done, e.total) for e in events if e.stage == "build"]
-    assert builds == [(0, None), (1, 1)]  # indeterminate while compiling, then done
+    builds = [(e.done, e.total, e.detail.split()[0]) for e in events if e.stage == "build"]
+    # indeterminate while compiling, then done; the decoder kernel (engine/decoder.py) after
+    assert builds == [(0, None, "w4a8"), (1, 1, "w4a8"), (0, None, "decoder"), (1, 1, "decoder")]
     stages = [e.stage for e in events]
     assert stages.index("build") < stages.index("load")
     assert any(isinstance(m, quant.W4A8Linear) for m in loaded.model.modules())

@@ -1,0 +1,214 @@
+// decoder: the decoder layers of a Llama-family model (Llama, Qwen2, Mistral) for a
+// decode step or a short verify block, as one call from Python.
+//
+// A decode step of the 1.5B target makes ~1,400 small tensor operations around its
+// 113 matrix products. Issued from Python through transformers' modules they cost
+// ~50 ms of a ~160 ms step on one core (the interpreter's own work, and caches cold
+// after every weight stream). Here the same ATen operations run in the same order
+// with the same arguments, so every value is bit-identical to the Python path
+// (tests/unit/test_decoder.py checks it): only the interpreter is gone.
+//
+// What runs here, per layer: RMSNorm; q/k/v projections (one stacked GEMM or three);
+// rotary embedding; appending K/V to the cache buffers; attention of each new row
+// against the keys up to its own position (engine/attention.py's one-query form);
+// output projection; residual; RMSNorm; SwiGLU MLP; residual. Embedding, rotary
+// tables, final norm and LM head stay in Python.
+//
+// Registered as torch.classes.specchat.Decoder; compiled on first use (engine/native.py).
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <vector>
+
+namespace {
+
+enum Kind : int64_t { kDense = 0, kW4A8 = 1 };
+
+// One projection, or several stacked into one GEMM: the result is split into `sizes`
+// parts, each with its own bias (undefined when none).
+struct Projection {
+  int64_t kind = kDense;
+  at::Tensor weight;  // dense: [N, K]; w4a8: packed [N/4, K/64, 4, 32]
+  at::Tensor scales, mins;  // w4a8 only
+  at::Tensor bias;  // dense only: passed to linear
+  int64_t in_features = 0, out_features = 0;
+  std::vector<int64_t> sizes;
+  std::vector<at::Tensor> part_bias;
+};
+
+struct Layer {
+  at::Tensor norm1, norm2;
+  double eps1 = 0, eps2 = 0;
+  int64_t heads = 0, kv_heads = 0, head_dim = 0;
+  double scaling = 1;
+  std::vector<Projection> qkv, gate_up;  // parts: q, k, v / gate, up
+  Projection o, down;
+};
+
+at::Tensor w4a8(const at::Tensor& x, const Projection& p) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("specchat::w4a8_linear", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const at::Tensor&, int64_t)>();
+  return op.call(x, p.weight, p.scales, p.mins, p.out_features);
+}
+
+// Mirrors nn.Linear, or engine/quant.py's W4A8Linear (+ SharedInputGroup's split and biases).
+void project(const Projection& p, const at::Tensor& x, std::vector<at::Tensor>& out) {
+  at::Tensor y;
+  if (p.kind == kDense) {
+    y = at::linear(x, p.weight, p.bias.defined() ? c10::optional<at::Tensor>(p.bias) : c10::nullopt);
+  } else {
+    auto shape = x.sizes().vec();
+    auto x2 = x.reshape({-1, p.in_features}).to(at::kFloat).contiguous();
+    shape.back() = p.out_features;
+    y = w4a8(x2, p).reshape(shape).to(x.scalar_type());
+    if (p.bias.defined()) y = y + p.bias;
+  }
+  if (p.sizes.size() == 1) {
+    out.push_back(p.part_bias[0].defined() ? y + p.part_bias[0] : y);
+    return;
+  }
+  auto parts = y.split_with_sizes(p.sizes, -1);
+  for (size_t i = 0; i < parts.size(); ++i)
+    out.push_back(p.part_bias[i].defined() ? parts[i] + p.part_bias[i] : parts[i]);
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  auto h = x.to(at::kFloat);
+  auto variance = h.pow(2).mean(-1, true);
+  h = h * at::rsqrt(variance + eps);
+  return weight * h.to(x.scalar_type());
+}
+
+at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
+}
+
+// One query row [1, H, 1, D] against T keys [1, Hkv, T, D]: engine/attention.py's _one_query.
+at::Tensor one_query(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                     double scaling) {
+  const int64_t h = query.size(1), d = query.size(3), h_kv = key.size(1);
+  auto q = query.reshape({1, h_kv, h / h_kv, d});
+  auto scores = at::matmul(q, key.transpose(-1, -2)) * scaling;
+  auto probs = at::softmax(scores, -1, at::kFloat).to(value.scalar_type());
+  return at::matmul(probs, value).reshape({1, 1, h, d});
+}
+
+struct Decoder : torch::CustomClassHolder {
+  std::vector<Layer> layers;
+
+  void add_layer(at::Tensor norm1, double eps1, at::Tensor norm2, double eps2, int64_t heads,
+                 int64_t kv_heads, int64_t head_dim, double scaling) {
+    Layer l;
+    l.norm1 = std::move(norm1);
+    l.norm2 = std::move(norm2);
+    l.eps1 = eps1;
+    l.eps2 = eps2;
+    l.heads = heads;
+    l.kv_heads = kv_heads;
+    l.head_dim = head_dim;
+    l.scaling = scaling;
+    layers.push_back(std::move(l));
+  }
+
+  // stage: 0 q/k/v, 1 o, 2 gate/up, 3 down. tensors: dense [weight] or w4a8 [packed, scales,
+  // mins]; bias: [] or [bias]; part_bias: one per size, an empty tensor where none.
+  void add_projection(int64_t stage, int64_t kind, std::vector<at::Tensor> tensors,
+                      std::vector<at::Tensor> bias, int64_t in_features, int64_t out_features,
+                      std::vector<int64_t> sizes, std::vector<at::Tensor> part_bias) {
+    TORCH_CHECK(!layers.empty(), "add_layer first");
+    TORCH_CHECK(kind == kDense || kind == kW4A8, "unknown projection kind ", kind);
+    TORCH_CHECK(tensors.size() == (kind == kDense ? 1u : 3u), "wrong number of weight tensors");
+    TORCH_CHECK(sizes.size() == part_bias.size() && !sizes.empty(), "one bias slot per part");
+    Projection p;
+    p.kind = kind;
+    p.weight = tensors[0];
+    if (kind == kW4A8) {
+      p.scales = tensors[1];
+      p.mins = tensors[2];
+    }
+    if (!bias.empty()) p.bias = bias[0];
+    p.in_features = in_features;
+    p.out_features = out_features;
+    p.sizes = std::move(sizes);
+    for (auto& b : part_bias) p.part_bias.push_back(b.numel() ? b : at::Tensor());
+    Layer& l = layers.back();
+    switch (stage) {
+      case 0: l.qkv.push_back(std::move(p)); break;
+      case 1: l.o = std::move(p); break;
+      case 2: l.gate_up.push_back(std::move(p)); break;
+      case 3: l.down = std::move(p); break;
+      default: TORCH_CHECK(false, "unknown stage ", stage);
+    }
+  }
+
+  // h [1, M, H] embeddings of M new tokens at positions past..past+M-1; cos, sin [1, M, D];
+  // keys[i], values[i] layer i's cache buffers [1, Hkv, capacity, D] holding `past` positions,
+  // with room for M more. Writes the new K/V and returns the last layer's output [1, M, H].
+  at::Tensor forward(at::Tensor h, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> keys,
+                     std::vector<at::Tensor> values, int64_t past) {
+    TORCH_CHECK(keys.size() == layers.size() && values.size() == layers.size(),
+                "one cache buffer per layer");
+    const int64_t m = h.size(1), end = past + m;
+    cos = cos.unsqueeze(1);  // [1, 1, M, D]
+    sin = sin.unsqueeze(1);
+    std::vector<at::Tensor> parts;
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const Layer& l = layers[i];
+      TORCH_CHECK(keys[i].size(2) >= end && values[i].size(2) >= end, "cache buffer too small");
+      // attention
+      auto x = rms_norm(h, l.norm1, l.eps1);
+      parts.clear();
+      for (const auto& p : l.qkv) project(p, x, parts);
+      auto q = parts[0].view({1, m, -1, l.head_dim}).transpose(1, 2);  // [1, H, M, D]
+      auto k = parts[1].view({1, m, -1, l.head_dim}).transpose(1, 2);  // [1, Hkv, M, D]
+      auto v = parts[2].view({1, m, -1, l.head_dim}).transpose(1, 2);
+      q = q * cos + rotate_half(q) * sin;
+      k = k * cos + rotate_half(k) * sin;
+      keys[i].narrow(2, past, m).copy_(k);
+      values[i].narrow(2, past, m).copy_(v);
+      auto key = keys[i].narrow(2, 0, end);
+      auto value = values[i].narrow(2, 0, end);
+      at::Tensor att;
+      if (m == 1) {
+        att = one_query(q, key, value, l.scaling);
+      } else {
+        std::vector<at::Tensor> rows;
+        for (int64_t r = 0; r < m; ++r) {  // row r sees the keys up to its own position
+          const int64_t upto = end - (m - 1 - r);
+          rows.push_back(one_query(q.slice(2, r, r + 1), key.narrow(2, 0, upto),
+                                   value.narrow(2, 0, upto), l.scaling));
+        }
+        att = at::cat(rows, 1);
+      }
+      att = att.reshape({1, m, -1}).contiguous();
+      parts.clear();
+      project(l.o, att, parts);
+      h = h + parts[0];
+      // MLP
+      x = rms_norm(h, l.norm2, l.eps2);
+      parts.clear();
+      for (const auto& p : l.gate_up) project(p, x, parts);
+      auto act = at::silu(parts[0]) * parts[1];
+      parts.clear();
+      project(l.down, act, parts);
+      h = h + parts[0];
+    }
+    return h;
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specchat, m) {
+  m.class_<Decoder>("Decoder")
+      .def(torch::init<>())
+      .def("add_layer", &Decoder::add_layer)
+      .def("add_projection", &Decoder::add_projection)
+      .def("forward", &Decoder::forward);
+}

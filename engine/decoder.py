@@ -1,0 +1,192 @@
+"""Decode steps and verify blocks through one native call per pass (engine/csrc/decoder.cpp).
+
+Between its matrix products, a decode step of the 1.5B target makes ~1,400
+small tensor operations (norms, rotary, attention, residuals, views). Issued
+from Python through transformers' modules they took ~50 ms of a ~160 ms w4a8
+step on one core: more than the GEMMs of the 0.5B draft. `NativeDecoder` runs
+the decoder layers in C++: the same ATen operations in the same order with
+the same arguments, so its outputs are bit-identical to the modules' (tested
+on every supported architecture and projection kind); only the interpreter
+is gone. The embedding, the rotary tables, the final norm and the LM head
+stay with the modules, which also keep serving prompts (long blocks) and
+whatever the native path does not support.
+
+Supported: Llama and Qwen2 (RMSNorm, rotary, grouped-query attention with
+optional q/k/v biases, SwiGLU), full attention scored row by row
+(engine/attention.py), a cache of `GrowingLayer`s, and projections that are
+float `nn.Linear`s or w4a8 (alone or as a shared-input group). Anything else
+gets `None` from `native_decoder` with the reason, and runs as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache, PreTrainedModel
+
+from .attention import MAX_ROWWISE, NAME
+from .errors import QuantizationError
+from .kv_cache import GrowingLayer
+from .quant import SharedInputMember, W4A8Linear
+
+log = logging.getLogger(__name__)
+
+ENV = "SPECCHAT_NATIVE_DECODER"  # "0" turns the native path off (for A/B runs)
+ARCHITECTURES = ("llama", "qwen2")
+_DENSE, _W4A8 = 0, 1
+_STAGES = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+
+
+class Unsupported(Exception):
+    """Why a model cannot take the native path."""
+
+
+def native_decoder(model: PreTrainedModel) -> tuple[NativeDecoder | None, str]:
+    """The native decoder for `model`, or None and why not (never raises)."""
+    if os.environ.get(ENV, "1") == "0":
+        return None, f"turned off by {ENV}=0"
+    try:
+        return NativeDecoder(model), ""
+    except Unsupported as exc:
+        return None, str(exc)
+    except QuantizationError as exc:  # the kernel could not be built
+        log.warning("native decoder unavailable: %s", exc)
+        return None, str(exc)
+
+
+class NativeDecoder:
+    def __init__(self, model: PreTrainedModel) -> None:
+        config = model.config
+        if config.model_type not in ARCHITECTURES:
+            raise Unsupported(f"no native decoder for {config.model_type} models")
+        if model.device.type != "cpu":  # the same ATen calls would run, but untested there
+            raise Unsupported(f"the native decoder runs on the CPU, not {model.device.type}")
+        if getattr(config, "_attn_implementation", None) != NAME:
+            raise Unsupported("the model does not use row-wise attention")
+        if getattr(config, "hidden_act", None) != "silu":
+            raise Unsupported(f"activation {config.hidden_act!r}, not silu")
+        inner: Any = model.model
+        for attr in ("embed_tokens", "layers", "norm", "rotary_emb"):
+            if not hasattr(inner, attr):
+                raise Unsupported(f"the model has no {attr}")
+        steps = [_layer_steps(layer) for layer in inner.layers]  # raises Unsupported
+
+        from . import native
+
+        if any(kind == _W4A8 for layer in steps for _, kind, *_ in layer[1]):
+            native.load("w4a8")
+        native.load("decoder")
+        self._impl: Any = torch.classes.specchat.Decoder()  # type: ignore[attr-defined]
+        for args, projections in steps:
+            self._impl.add_layer(*args)
+            for projection in projections:
+                self._impl.add_projection(*projection)
+        self.model = model
+        self.inner = inner
+        self.num_layers = len(steps)
+
+    def usable(self, cache: DynamicCache, cached: int, n: int) -> bool:
+        """Whether a pass of n new tokens after `cached` ones can go native."""
+        return (
+            0 < n <= MAX_ROWWISE
+            and cached > 0
+            and len(cache.layers) == self.num_layers
+            and all(type(layer) is GrowingLayer and layer.is_initialized for layer in cache.layers)
+        )
+
+    def feed(self, ids: Tensor, cache: DynamicCache, cached: int, keep: int) -> Tensor:
+        """As the model on ids [n] after `cached` tokens: logits [keep, V]; appends to the cache."""
+        n = int(ids.shape[-1])
+        end = cached + n
+        h = self.inner.embed_tokens(ids.view(1, n))  # [1, n, H]
+        positions = (torch.arange(n, device=h.device) + cached).unsqueeze(0)  # as transformers
+        cos, sin = self.inner.rotary_emb(h, positions)  # [1, n, D] each
+        layers: list[GrowingLayer] = cache.layers  # type: ignore[assignment]
+        buffers = [layer.reserve(end) for layer in layers]
+        h = self._impl.forward(
+            h, cos, sin, [k for k, _ in buffers], [v for _, v in buffers], cached
+        )
+        for layer in layers:
+            layer.set_length(end)
+        h = self.inner.norm(h)[:, -keep:]
+        logits: Tensor = self.model.lm_head(h)
+        return logits[0]
+
+
+def _layer_steps(layer: nn.Module) -> tuple[tuple[Any, ...], list[tuple[Any, ...]]]:
+    """add_layer's arguments and add_projection's, for one decoder layer."""
+    attn: Any = getattr(layer, "self_attn", None)
+    mlp: Any = getattr(layer, "mlp", None)
+    norms: list[Any] = [
+        getattr(layer, a, None) for a in ("input_layernorm", "post_attention_layernorm")
+    ]
+    if attn is None or mlp is None or any(n is None for n in norms):
+        raise Unsupported(f"{type(layer).__name__} is not a Llama-style decoder layer")
+    for norm in norms:
+        if not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon"):
+            raise Unsupported(f"{type(norm).__name__} is not an RMSNorm")
+    for extra in ("q_norm", "k_norm", "sinks"):
+        if getattr(attn, extra, None) is not None:
+            raise Unsupported(f"attention with {extra}")
+    heads = attn.config.num_attention_heads
+    kv_heads = attn.config.num_key_value_heads
+    args = (
+        norms[0].weight,
+        float(norms[0].variance_epsilon),
+        norms[1].weight,
+        float(norms[1].variance_epsilon),
+        heads,
+        kv_heads,
+        int(attn.head_dim),
+        float(attn.scaling),
+    )
+    projections = []
+    for stage, names in enumerate(_STAGES):
+        owner = mlp if stage >= 2 else attn
+        modules = [getattr(owner, name, None) for name in names]
+        projections += _stage(stage, names, modules)
+    return args, projections
+
+
+def _stage(stage: int, names: tuple[str, ...], modules: list[Any]) -> list[tuple[Any, ...]]:
+    """One projection per module, or one for a shared-input group that serves them in order."""
+    group: Any = modules[0].group if isinstance(modules[0], SharedInputMember) else None
+    if (
+        group is not None
+        and len(group.sizes) == len(modules)
+        and all(
+            isinstance(m, SharedInputMember) and m.group is group and m.index == i
+            for i, m in enumerate(modules)
+        )
+    ):
+        biases = [group._buffers[f"bias{i}"] for i in range(len(modules))]
+        return [_projection(stage, group.linear, list(group.sizes), biases, names[0])]
+    return [
+        _projection(stage, m, [_out_features(m, name)], [None], name)
+        for m, name in zip(modules, names, strict=True)
+    ]
+
+
+def _out_features(module: Any, name: str) -> int:
+    if module is None:
+        raise Unsupported(f"no {name}")
+    return int(module.out_features)
+
+
+def _projection(
+    stage: int, module: Any, sizes: list[int], part_bias: list[Tensor | None], name: str
+) -> tuple[Any, ...]:
+    empty = torch.empty(0)
+    parts = [empty if b is None else b for b in part_bias]
+    bias = [] if getattr(module, "bias", None) is None else [module.bias]
+    shape = (int(module.in_features), int(module.out_features))
+    if type(module) is nn.Linear:
+        return (stage, _DENSE, [module.weight], bias, *shape, sizes, parts)
+    if type(module) is W4A8Linear:
+        tensors = [module.packed, module.scales, module.mins]
+        return (stage, _W4A8, tensors, bias, *shape, sizes, parts)
+    raise Unsupported(f"{name} is a {type(module).__name__}")

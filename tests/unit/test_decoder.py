@@ -1,0 +1,174 @@
+"""The native decoder (engine/decoder.py) against transformers' modules, bit for bit.
+
+Each case runs two ModelRunners over the same model, one through the native
+decoder and one through the modules, feeds both the same prompt, decode steps
+and verify blocks, and asserts equal logits (torch.equal, not a tolerance) and
+equal cache contents. A wrong operation, order or argument anywhere in the
+C++ layer shows as a difference of 1e-7 or more and fails.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from specchat.engine import decoder, native, quant
+from specchat.engine.config import ModelSpec, QuantMode
+from specchat.engine.runner import ModelRunner
+from tests.stories import load_stories, needs_stories
+from tests.tinymodels import tiny_llama
+
+W4A8_OK = native.cpu_supports("w4a8") is None
+
+
+def tiny_qwen2(dtype: torch.dtype = torch.float32, hidden: int = 128) -> Qwen2ForCausalLM:
+    config = Qwen2Config(
+        vocab_size=300,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM(config).eval().requires_grad_(False)
+    with torch.no_grad():  # q/k/v biases that matter
+        for layer in model.model.layers:
+            for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                p.bias.normal_(0, 0.5)
+    return model.to(dtype)
+
+
+def pair(model: torch.nn.Module) -> tuple[ModelRunner, ModelRunner]:
+    fast = ModelRunner(model, torch.device("cpu"))  # type: ignore[arg-type]
+    assert fast.native is not None, fast.native_off
+    slow = ModelRunner(model, torch.device("cpu"))  # type: ignore[arg-type]
+    slow.native = None
+    return fast, slow
+
+
+def same_everywhere(model: torch.nn.Module, prompt: list[int]) -> None:
+    fast, slow = pair(model)
+    for r in (fast, slow):
+        r.feed(prompt)  # the prompt takes the modules' path in both
+    tok = prompt[-1]
+    for _ in range(6):  # decode steps
+        a, b = fast.feed([tok])[-1], slow.feed([tok])[-1]
+        assert torch.equal(a, b), (a - b).abs().max()
+        tok = int(a.argmax())
+    base = fast.cached
+    for n in (2, 5, 9):  # verify blocks, rolled back as a refused draft would be
+        block = [(tok + 7 * i) % 250 + 3 for i in range(n)]
+        a, b = fast.feed(block, keep=n), slow.feed(block, keep=n)
+        assert torch.equal(a, b), (n, (a - b).abs().max())
+        fast.crop_to(base + 1)
+        slow.crop_to(base + 1)
+    a, b = fast.feed([5, 6])[-1], slow.feed([5, 6])[-1]  # after a crop: overwrites
+    assert torch.equal(a, b)
+    for la, lb in zip(fast.cache.layers, slow.cache.layers, strict=True):
+        assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+
+
+def test_llama_float32_is_bit_identical() -> None:
+    same_everywhere(tiny_llama(), list(range(3, 40)))
+
+
+def test_qwen2_with_biases_and_tied_head_is_bit_identical() -> None:
+    same_everywhere(tiny_qwen2(), list(range(3, 40)))
+
+
+def test_bfloat16_is_bit_identical() -> None:
+    same_everywhere(tiny_qwen2(torch.bfloat16), list(range(3, 40)))
+
+
+def test_cache_growth_inside_a_native_pass() -> None:
+    """A prompt that fills the first buffer, then steps that make it double."""
+    model = tiny_llama()
+    fast, slow = pair(model)
+    prompt = list(range(3, 3 + 250))
+    fast.feed(prompt)
+    slow.feed(prompt)
+    for tok in range(10, 20):  # crosses 256, the first capacity
+        assert torch.equal(fast.feed([tok], keep=1), slow.feed([tok], keep=1))
+
+
+@pytest.mark.skipif(not W4A8_OK, reason=str(native.cpu_supports("w4a8")))
+def test_w4a8_groups_are_bit_identical() -> None:
+    """Quantized q/k/v and gate/up groups (with Qwen2's biases on the group's parts)."""
+    model = quant.apply(tiny_qwen2(hidden=128), QuantMode.W4A8, lm_head=False)
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.q_proj, quant.SharedInputMember)
+    same_everywhere(model, list(range(3, 40)))
+
+
+def test_unsupported_models_say_why_and_keep_the_modules_path() -> None:
+    model = quant.apply(tiny_llama(hidden=64), QuantMode.INT8, lm_head=False)
+    runner = ModelRunner(model, torch.device("cpu"))  # type: ignore[arg-type]
+    assert runner.native is None
+    assert "Int8WeightOnlyLinear" in runner.native_off
+    runner.feed(list(range(3, 20)))
+    assert runner.feed([4]).shape == (1, runner.vocab)
+
+
+def test_the_environment_can_turn_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(decoder.ENV, "0")
+    runner = ModelRunner(tiny_llama(), torch.device("cpu"))  # type: ignore[arg-type]
+    assert runner.native is None and decoder.ENV in runner.native_off
+
+
+def test_first_pass_and_long_blocks_take_the_modules_path() -> None:
+    fast, _ = pair(tiny_llama())
+    assert fast.native is not None
+    assert not fast.native.usable(fast.cache, 0, 1)  # nothing cached yet
+    fast.feed(list(range(3, 10)))
+    assert fast.native.usable(fast.cache, fast.cached, 1)
+    assert not fast.native.usable(fast.cache, fast.cached, 64)  # a prompt
+
+
+@needs_stories
+def test_real_weights_are_bit_identical() -> None:
+    model, tok = load_stories()
+    prompt = tok("Once upon a time, there was a little")["input_ids"]  # type: ignore[index]
+    same_everywhere(model, prompt)  # type: ignore[arg-type]
+
+
+def test_other_architectures_are_refused() -> None:
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, hidden_act="gelu",
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    runner = ModelRunner(model, torch.device("cpu"))  # type: ignore[arg-type]
+    assert runner.native is None and "gelu" in runner.native_off
+
+
+def test_a_failed_build_is_reported_and_decoding_still_works(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from specchat.engine.errors import QuantizationError
+    from specchat.engine.events import LoadProgress
+    from specchat.engine.loading import load_model
+    from tests.tinymodels import tiny_tokenizer
+
+    tiny_llama(layers=2).save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+
+    def no_compiler(kernel: str) -> None:
+        raise QuantizationError(f"could not build the {kernel} kernel: g++: not found")
+
+    monkeypatch.setattr(native, "is_built", lambda kernel: False)
+    monkeypatch.setattr(native, "load", no_compiler)
+    events: list[LoadProgress] = []
+    spec = ModelSpec(str(tmp_path), QuantMode.NONE, dtype="float32", device="cpu")
+    loaded = load_model(spec, "target", progress=events.append)
+    last = [e.detail for e in events if e.stage == "build"][-1]
+    assert "g++: not found" in last and "using Python" in last
+    runner = ModelRunner(loaded.model, loaded.device)
+    assert runner.native is None and "g++: not found" in runner.native_off
+    runner.feed(list(range(3, 20)))
+    assert runner.feed([4]).shape == (1, runner.vocab)
