@@ -60,22 +60,36 @@ def main() -> None:
     ap.add_argument(
         "--draft-vocab", type=int, default=0, help="shortlist head for the second model"
     )
+    ap.add_argument(
+        "--native",
+        default="on",
+        help="on, off or on,off: decode through the native decoder (engine/decoder.py) "
+        "or transformers' modules; 'off' rows are labelled '<mode>/py'",
+    )
     args = ap.parse_args()
     blocks = [int(b) for b in args.blocks.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
     runners = {}
-    for model in args.models.split(","):
+    for index, model in enumerate(args.models.split(",")):
         for mode in args.modes.split(","):
             dtype, quant = (
                 ("bfloat16", QuantMode.NONE) if mode == "bf16" else ("float32", QuantMode(mode))
             )
             t0 = time.perf_counter()
-            lm = load_model(ModelSpec(model, quant, dtype=dtype, device="cpu"), "target")
+            shortlist = args.draft_vocab if index == 1 else 0
+            spec = ModelSpec(model, quant, dtype=dtype, device="cpu", head_shortlist=shortlist)
+            lm = load_model(spec, "target")
             print(
                 f"loaded {model} {mode} in {time.perf_counter() - t0:.1f}s, {lm.info.weight_bytes / 2**30:.2f} GiB",
                 flush=True,
             )
-            runners[(model, mode)] = ModelRunner(lm.model, lm.device)
+            for native in args.native.split(","):
+                runner = ModelRunner(lm.model, lm.device)
+                if native == "off":
+                    runner.native = None
+                elif runner.native is None:
+                    print(f"  no native decoder: {runner.native_off}")
+                runners[(model, mode if native == "on" else f"{mode}/py")] = runner
     results: dict[tuple[str, str, int], dict[str, list[float]]] = defaultdict(
         lambda: defaultdict(list)
     )
