@@ -89,32 +89,48 @@ class NativeDecoder:
         self.inner = inner
         self.num_layers = len(steps)
 
-    def usable(self, cache: DynamicCache, cached: int, n: int) -> bool:
-        """Whether a pass of n new tokens after `cached` ones can go native."""
-        return (
-            0 < n <= MAX_ROWWISE
-            and cached > 0
-            and len(cache.layers) == self.num_layers
-            and all(type(layer) is GrowingLayer and layer.is_initialized for layer in cache.layers)
-        )
+    def usable(self, cache: DynamicCache, past: int, n: int, layers: range | None = None) -> bool:
+        """Whether n new tokens after `past` can go native through `layers` (default: all).
 
-    def feed(self, ids: Tensor, cache: DynamicCache, cached: int, keep: int) -> Tensor:
-        """As the model on ids [n] after `cached` tokens: logits [keep, V]; appends to the cache."""
+        The layers' caches must be `GrowingLayer`s holding exactly `past` positions
+        (the first pass of a conversation, which creates them, takes the modules).
+        """
+        if not 0 < n <= MAX_ROWWISE or past <= 0 or len(cache.layers) != self.num_layers:
+            return False
+        for i in layers if layers is not None else range(self.num_layers):
+            layer = cache.layers[i]
+            if type(layer) is not GrowingLayer or layer.get_seq_length() != past:
+                return False
+        return True
+
+    def feed(self, ids: Tensor, cache: DynamicCache, past: int, keep: int) -> Tensor:
+        """As the model on ids [n] after `past` tokens: logits [keep, V]; appends to the cache."""
         n = int(ids.shape[-1])
-        end = cached + n
         h = self.inner.embed_tokens(ids.view(1, n))  # [1, n, H]
-        positions = (torch.arange(n, device=h.device) + cached).unsqueeze(0)  # as transformers
-        cos, sin = self.inner.rotary_emb(h, positions)  # [1, n, D] each
-        layers: list[GrowingLayer] = cache.layers  # type: ignore[assignment]
-        buffers = [layer.reserve(end) for layer in layers]
-        h = self._impl.forward(
-            h, cos, sin, [k for k, _ in buffers], [v for _, v in buffers], cached
-        )
-        for layer in layers:
-            layer.set_length(end)
+        cos, sin = self.rotary(h, past)
+        h = self.layers(h, (cos, sin), cache, past, range(self.num_layers))
         h = self.inner.norm(h)[:, -keep:]
         logits: Tensor = self.model.lm_head(h)
         return logits[0]
+
+    def rotary(self, h: Tensor, past: int) -> tuple[Tensor, Tensor]:
+        """cos, sin [1, n, D] for h's n positions after `past`, as the model computes them."""
+        positions = (torch.arange(h.shape[1], device=h.device) + past).unsqueeze(0)
+        cos, sin = self.inner.rotary_emb(h, positions)
+        return cos, sin
+
+    def layers(
+        self, h: Tensor, rope: tuple[Tensor, Tensor], cache: DynamicCache, past: int, run: range
+    ) -> Tensor:
+        """Layers `run` (consecutive) on h [1, n, H]: their output; appends their K/V."""
+        end = past + int(h.shape[1])
+        layers: list[GrowingLayer] = [cache.layers[i] for i in run]  # type: ignore[misc]
+        buffers = [layer.reserve(end) for layer in layers]
+        keys, values = [k for k, _ in buffers], [v for _, v in buffers]
+        out: Tensor = self._impl.forward(h, *rope, keys, values, past, run.start)
+        for layer in layers:
+            layer.set_length(end)
+        return out
 
 
 def _layer_steps(layer: nn.Module) -> tuple[tuple[Any, ...], list[tuple[Any, ...]]]:

@@ -37,7 +37,9 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from .attention import MAX_ROWWISE
 from .config import DecodeConfig
+from .decoder import native_decoder
 from .errors import EngineError
 from .events import Provenance
 from .kv_cache import new_cache
@@ -149,12 +151,40 @@ class LayerStack:
         self.head = model.get_output_embeddings()
         types = getattr(model.config, "layer_types", None)
         self.layer_types: list[str] = list(types or ["full_attention"] * self.num_layers)
+        # Layer ranges in one native call where possible (engine/decoder.py): bit-identical.
+        self.native, _ = native_decoder(model)
 
     def begin(self, ids: Tensor, cache: DynamicCache, past: int) -> _Pass:
-        """Embed ids [S] at positions past..past+S-1; masks and rotary for the pass."""
+        """Embed ids [S] at positions past..past+S-1; rotary for the pass."""
         n = int(ids.shape[-1])
         h = self.inner.embed_tokens(ids.view(1, n))  # [1, S, H]
         pos = torch.arange(past, past + n, device=h.device).view(1, n)  # [1, S]
+        rope = self.inner.rotary_emb(h, pos)  # (cos, sin), each [1, S, D]
+        # With the native decoder the model scores short blocks row by row, which takes
+        # no mask (engine/attention.py): skip making one, ~1 ms of Python a step.
+        short = self.native is not None and n <= MAX_ROWWISE
+        masks = dict.fromkeys(self.layer_types) if short else self._masks(h, pos, cache)
+        return _Pass(h, pos, rope, masks, cache, past)
+
+    def run(self, p: _Pass, start: int, stop: int) -> Tensor:
+        """Layers start..stop-1 (0-based); appends their K/V to p.cache; returns p.h [1, S, H]."""
+        run = range(start, stop)
+        if self.native is not None and self.native.usable(p.cache, p.past, p.h.shape[1], run):
+            p.h = self.native.layers(p.h, p.rope, p.cache, p.past, run)
+            return p.h
+        for i in run:
+            p.h = self.layers[i](
+                p.h,
+                attention_mask=p.masks[self.layer_types[i]],
+                position_embeddings=p.rope,
+                position_ids=p.pos,
+                cache=p.cache,
+                use_cache=True,
+            )
+        return p.h
+
+    def _masks(self, h: Tensor, pos: Tensor, cache: DynamicCache) -> dict[str, Any]:
+        """The attention masks the modules take, as the model's forward makes them."""
         args = {
             "config": self.config,
             "inputs_embeds": h,
@@ -165,21 +195,7 @@ class LayerStack:
         masks = {"full_attention": create_causal_mask(**args)}  # type: ignore[arg-type]
         if "sliding_attention" in self.layer_types:
             masks["sliding_attention"] = create_sliding_window_causal_mask(**args)  # type: ignore[arg-type]
-        rope = self.inner.rotary_emb(h, pos)  # (cos, sin), each [1, S, D]
-        return _Pass(h, pos, rope, masks, cache)
-
-    def run(self, p: _Pass, start: int, stop: int) -> Tensor:
-        """Layers start..stop-1 (0-based); appends their K/V to p.cache; returns p.h [1, S, H]."""
-        for i in range(start, stop):
-            p.h = self.layers[i](
-                p.h,
-                attention_mask=p.masks[self.layer_types[i]],
-                position_embeddings=p.rope,
-                position_ids=p.pos,
-                cache=p.cache,
-                use_cache=True,
-            )
-        return p.h
+        return masks
 
     def logits(self, h: Tensor) -> Tensor:
         """Final norm and LM head: h [..., H] -> logits [..., V]."""
@@ -226,8 +242,9 @@ class _Pass:
     h: Tensor  # [1, S, H] the residual stream
     pos: Tensor  # [1, S]
     rope: tuple[Tensor, Tensor]
-    masks: dict[str, Any]
+    masks: dict[str, Any]  # by layer type
     cache: DynamicCache
+    past: int  # positions cached before this pass
 
 
 def crop_layers(cache: DynamicCache, layers: range, n: int) -> None:

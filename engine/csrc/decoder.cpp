@@ -147,19 +147,21 @@ struct Decoder : torch::CustomClassHolder {
     }
   }
 
-  // h [1, M, H] embeddings of M new tokens at positions past..past+M-1; cos, sin [1, M, D];
-  // keys[i], values[i] layer i's cache buffers [1, Hkv, capacity, D] holding `past` positions,
-  // with room for M more. Writes the new K/V and returns the last layer's output [1, M, H].
+  // Layers first..first+L-1 for M new rows at positions past..past+M-1. h [1, M, H] the
+  // rows' hidden states entering layer `first`; cos, sin [1, M, D]; keys[i], values[i] the
+  // cache buffers [1, Hkv, capacity, D] of layer first+i, holding `past` positions and with
+  // room for M more. Writes the new K/V and returns the last layer's output [1, M, H].
   at::Tensor forward(at::Tensor h, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> keys,
-                     std::vector<at::Tensor> values, int64_t past) {
-    TORCH_CHECK(keys.size() == layers.size() && values.size() == layers.size(),
-                "one cache buffer per layer");
+                     std::vector<at::Tensor> values, int64_t past, int64_t first) {
+    TORCH_CHECK(keys.size() == values.size() && first >= 0 &&
+                    first + static_cast<int64_t>(keys.size()) <= static_cast<int64_t>(layers.size()),
+                "one cache buffer per layer run");
     const int64_t m = h.size(1), end = past + m;
     cos = cos.unsqueeze(1);  // [1, 1, M, D]
     sin = sin.unsqueeze(1);
     std::vector<at::Tensor> parts;
-    for (size_t i = 0; i < layers.size(); ++i) {
-      const Layer& l = layers[i];
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const Layer& l = layers[first + i];
       TORCH_CHECK(keys[i].size(2) >= end && values[i].size(2) >= end, "cache buffer too small");
       // attention
       auto x = rms_norm(h, l.norm1, l.eps1);

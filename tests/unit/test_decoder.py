@@ -172,3 +172,27 @@ def test_a_failed_build_is_reported_and_decoding_still_works(
     assert runner.native is None and "g++: not found" in runner.native_off
     runner.feed(list(range(3, 20)))
     assert runner.feed([4]).shape == (1, runner.vocab)
+
+
+def test_early_exit_layer_ranges_are_bit_identical() -> None:
+    """The early-exit stack runs layer ranges (exit points, the self-speculative draft)."""
+    from specchat.engine.early_exit import LayerStack
+
+    model = tiny_llama()
+    fast, slow = pair(model)
+    stacks = LayerStack(model), LayerStack(model)
+    stacks[1].native = None
+    assert stacks[0].native is not None
+    for r in (fast, slow):
+        r.feed(list(range(3, 30)))
+    for ids in ([7], [8, 9, 10]):
+        outs = []
+        for runner, stack in zip((fast, slow), stacks, strict=True):
+            with torch.inference_mode():  # as the stepper and the drafter run it
+                p = stack.begin(torch.tensor(ids), runner.cache, runner.cached)
+                low = stack.run(p, 0, 1).clone()  # up to an exit point ...
+                outs.append((low, stack.run(p, 1, 4)))  # ... and on to the top
+            runner.cached += len(ids)
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    for la, lb in zip(fast.cache.layers, slow.cache.layers, strict=True):
+        assert torch.equal(la.keys, lb.keys)
