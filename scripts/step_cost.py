@@ -58,7 +58,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--blocks", default="2,3,5,9", help="verify block sizes (K+1)")
     ap.add_argument(
-        "--draft-vocab", type=int, default=0, help="shortlist head for the second model"
+        "--draft-vocab",
+        type=int,
+        default=0,
+        help="shortlist head for the second model (labelled <mode>/v<N>; list the draft "
+        "twice to measure it with and without)",
     )
     ap.add_argument(
         "--native",
@@ -89,7 +93,8 @@ def main() -> None:
                     runner.native = None
                 elif runner.native is None:
                     print(f"  no native decoder: {runner.native_off}")
-                runners[(model, mode if native == "on" else f"{mode}/py")] = runner
+                label = mode + (f"/v{shortlist}" if shortlist else "")
+                runners[(model, label if native == "on" else f"{label}/py")] = runner
     results: dict[tuple[str, str, int], dict[str, list[float]]] = defaultdict(
         lambda: defaultdict(list)
     )
@@ -111,17 +116,16 @@ def main() -> None:
     for (model, mode, th), m in med.items():
         ratios = " | ".join(f"{m[f'verify {n}'] / m['step']:.2f}" for n in blocks)
         print(f"| {model} | {mode} | {th} | {m['step']:.0f} | {1000 / m['step']:.1f} | {ratios} |")
-    models = args.models.split(",")
-    if len(models) == 2:
-        target, draft = models
+    target = args.models.split(",")[0]
+    if any(model != target for model, _, _ in med):
         print("\nc = draft step / target step (same thread count):")
         for model, mode_t, th in med:
             if model != target:
                 continue
             row = ", ".join(
-                f"draft {mode_d}: {med[(draft, mode_d, th)]['step'] / med[(target, mode_t, th)]['step']:.2f}"
+                f"draft {mode_d}: {med[(m2, mode_d, th)]['step'] / med[(target, mode_t, th)]['step']:.2f}"
                 for (m2, mode_d, th2) in med
-                if m2 == draft and th2 == th
+                if m2 != target and th2 == th
             )
             print(f"  target {mode_t}, {th} threads: {row}")
 
