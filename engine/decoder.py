@@ -14,7 +14,9 @@ whatever the native path does not support.
 Supported: Llama and Qwen2 (RMSNorm, rotary, grouped-query attention with
 optional q/k/v biases, SwiGLU), full attention scored row by row
 (engine/attention.py), a cache of `GrowingLayer`s, and projections that are
-float `nn.Linear`s or w4a8 (alone or as a shared-input group). Anything else
+float `nn.Linear`s, w4a8 (alone or as a shared-input group), or int8 / int4
+weight-only. Not w8a8 (fbgemm's packed weights are an object the C++ side
+would have to unwrap) nor bitsandbytes. Anything else
 gets `None` from `native_decoder` with the reason, and runs as before.
 """
 
@@ -31,13 +33,19 @@ from transformers import DynamicCache, PreTrainedModel
 from .attention import MAX_ROWWISE, NAME
 from .errors import QuantizationError
 from .kv_cache import GrowingLayer
-from .quant import SharedInputMember, W4A8Linear
+from .quant import (
+    Int4WeightOnlyLinear,
+    Int8WeightOnlyLinear,
+    SharedInputMember,
+    W4A8Linear,
+    _QuantizedLinear,
+)
 
 log = logging.getLogger(__name__)
 
 ENV = "SPECCHAT_NATIVE_DECODER"  # "0" turns the native path off (for A/B runs)
 ARCHITECTURES = ("llama", "qwen2")
-_DENSE, _W4A8 = 0, 1
+_DENSE, _W4A8, _INT8, _INT4 = 0, 1, 2, 3  # engine/csrc/decoder.cpp's Kind
 _STAGES = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
@@ -201,8 +209,22 @@ def _projection(
     bias = [] if getattr(module, "bias", None) is None else [module.bias]
     shape = (int(module.in_features), int(module.out_features))
     if type(module) is nn.Linear:
-        return (stage, _DENSE, [module.weight], bias, *shape, sizes, parts)
+        return (stage, _DENSE, [module.weight], 0, bias, *shape, sizes, parts)
+    kind, tensors, group = _quantized(module, name)
+    if isinstance(module, _QuantizedLinear) and module.compute_dtype != _COMPUTE[kind]:
+        raise Unsupported(f"{name} computes in {module.compute_dtype}")
+    return (stage, kind, tensors, group, bias, *shape, sizes, parts)
+
+
+_COMPUTE = {_W4A8: torch.float32, _INT8: torch.bfloat16, _INT4: torch.bfloat16}  # as the C++
+
+
+def _quantized(module: Any, name: str) -> tuple[int, list[Tensor], int]:
+    """The C++ kind of a quantized projection, its tensors, and int4's group size."""
     if type(module) is W4A8Linear:
-        tensors = [module.packed, module.scales, module.mins]
-        return (stage, _W4A8, tensors, bias, *shape, sizes, parts)
+        return _W4A8, [module.packed, module.scales, module.mins], 0
+    if type(module) is Int8WeightOnlyLinear:
+        return _INT8, [module.weight_int8, module.scales], 0
+    if type(module) is Int4WeightOnlyLinear:
+        return _INT4, [module.weight_int4pack, module.scales_and_zeros], module.group_size
     raise Unsupported(f"{name} is a {type(module).__name__}")

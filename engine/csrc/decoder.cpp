@@ -25,14 +25,18 @@
 
 namespace {
 
-enum Kind : int64_t { kDense = 0, kW4A8 = 1 };
+// dense: nn.Linear; the others mirror engine/quant.py's W4A8Linear, Int8WeightOnlyLinear
+// and Int4WeightOnlyLinear.
+enum Kind : int64_t { kDense = 0, kW4A8 = 1, kInt8 = 2, kInt4 = 3 };
 
 // One projection, or several stacked into one GEMM: the result is split into `sizes`
 // parts, each with its own bias (undefined when none).
 struct Projection {
   int64_t kind = kDense;
-  at::Tensor weight;  // dense: [N, K]; w4a8: packed [N/4, K/64, 4, 32]
-  at::Tensor scales, mins;  // w4a8 only
+  at::Tensor weight;  // dense: [N, K]; w4a8: packed [N/4, K/64, 4, 32]; int8: [N, K]; int4: packed
+  at::Tensor scales, mins;  // w4a8: scales, mins; int8: scales; int4: scales and zeros
+  int64_t group_size = 0;  // int4
+  at::ScalarType compute = at::kFloat;  // the dtype the quantized kernel takes
   at::Tensor bias;  // dense only: passed to linear
   int64_t in_features = 0, out_features = 0;
   std::vector<int64_t> sizes;
@@ -63,9 +67,16 @@ void project(const Projection& p, const at::Tensor& x, std::vector<at::Tensor>& 
     y = at::linear(x, p.weight, p.bias.defined() ? c10::optional<at::Tensor>(p.bias) : c10::nullopt);
   } else {
     auto shape = x.sizes().vec();
-    auto x2 = x.reshape({-1, p.in_features}).to(at::kFloat).contiguous();
+    auto x2 = x.reshape({-1, p.in_features}).to(p.compute).contiguous();
     shape.back() = p.out_features;
-    y = w4a8(x2, p).reshape(shape).to(x.scalar_type());
+    at::Tensor rows;
+    if (p.kind == kW4A8)
+      rows = w4a8(x2, p);
+    else if (p.kind == kInt8)
+      rows = at::_weight_int8pack_mm(x2, p.weight, p.scales);
+    else
+      rows = at::_weight_int4pack_mm_for_cpu(x2, p.weight, p.group_size, p.scales);
+    y = rows.reshape(shape).to(x.scalar_type());
     if (p.bias.defined()) y = y + p.bias;
   }
   if (p.sizes.size() == 1) {
@@ -116,22 +127,25 @@ struct Decoder : torch::CustomClassHolder {
     layers.push_back(std::move(l));
   }
 
-  // stage: 0 q/k/v, 1 o, 2 gate/up, 3 down. tensors: dense [weight] or w4a8 [packed, scales,
-  // mins]; bias: [] or [bias]; part_bias: one per size, an empty tensor where none.
+  // stage: 0 q/k/v, 1 o, 2 gate/up, 3 down. tensors: dense [weight], w4a8 [packed, scales,
+  // mins], int8 [weight, scales], int4 [packed, scales and zeros]; group_size: int4's;
+  // bias: [] or [bias]; part_bias: one per size, an empty tensor where none.
   void add_projection(int64_t stage, int64_t kind, std::vector<at::Tensor> tensors,
-                      std::vector<at::Tensor> bias, int64_t in_features, int64_t out_features,
-                      std::vector<int64_t> sizes, std::vector<at::Tensor> part_bias) {
+                      int64_t group_size, std::vector<at::Tensor> bias, int64_t in_features,
+                      int64_t out_features, std::vector<int64_t> sizes,
+                      std::vector<at::Tensor> part_bias) {
     TORCH_CHECK(!layers.empty(), "add_layer first");
-    TORCH_CHECK(kind == kDense || kind == kW4A8, "unknown projection kind ", kind);
-    TORCH_CHECK(tensors.size() == (kind == kDense ? 1u : 3u), "wrong number of weight tensors");
+    TORCH_CHECK(kind >= kDense && kind <= kInt4, "unknown projection kind ", kind);
+    const size_t expected[] = {1, 3, 2, 2};
+    TORCH_CHECK(tensors.size() == expected[kind], "wrong number of weight tensors");
     TORCH_CHECK(sizes.size() == part_bias.size() && !sizes.empty(), "one bias slot per part");
     Projection p;
     p.kind = kind;
     p.weight = tensors[0];
-    if (kind == kW4A8) {
-      p.scales = tensors[1];
-      p.mins = tensors[2];
-    }
+    if (kind != kDense) p.scales = tensors[1];
+    if (kind == kW4A8) p.mins = tensors[2];
+    if (kind == kInt8 || kind == kInt4) p.compute = at::kBFloat16;
+    p.group_size = group_size;
     if (!bias.empty()) p.bias = bias[0];
     p.in_features = in_features;
     p.out_features = out_features;

@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from specchat.engine import decoder, native, quant
 from specchat.engine.config import ModelSpec, QuantMode
+from specchat.engine.loading import has_fbgemm
 from specchat.engine.runner import ModelRunner
 from tests.stories import load_stories, needs_stories
 from tests.tinymodels import tiny_llama
@@ -106,11 +107,20 @@ def test_w4a8_groups_are_bit_identical() -> None:
     same_everywhere(model, list(range(3, 40)))
 
 
+@pytest.mark.parametrize("mode", [QuantMode.INT8, QuantMode.INT4])
+def test_weight_only_int8_and_int4_are_bit_identical(mode: QuantMode) -> None:
+    """bfloat16 activations inside, float32 outside, as the modules do."""
+    model = quant.apply(tiny_llama(hidden=128), mode, lm_head=False, group_size=32)
+    assert not isinstance(model.model.layers[0].mlp.down_proj, torch.nn.Linear)
+    same_everywhere(model, list(range(3, 40)))
+
+
+@pytest.mark.skipif(not has_fbgemm(), reason="w8a8 needs fbgemm, which this torch lacks")
 def test_unsupported_models_say_why_and_keep_the_modules_path() -> None:
-    model = quant.apply(tiny_llama(hidden=64), QuantMode.INT8, lm_head=False)
+    model = quant.apply(tiny_llama(hidden=64), QuantMode.W8A8, lm_head=False)
     runner = ModelRunner(model, torch.device("cpu"))  # type: ignore[arg-type]
     assert runner.native is None
-    assert "Int8WeightOnlyLinear" in runner.native_off
+    assert "Int8DynamicLinear" in runner.native_off
     runner.feed(list(range(3, 20)))
     assert runner.feed([4]).shape == (1, runner.vocab)
 
