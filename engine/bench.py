@@ -200,6 +200,8 @@ def model_record(session: ChatSession) -> dict[str, Any]:
         info["weights_sha256"] = loaded.weights_sha256
         out[role] = info
     out["cost_ratio_c"] = session.costs.ratio()
+    runner = session.target_runner
+    out["native_decoder"] = "on" if runner.native is not None else f"off: {runner.native_off}"
     return out
 
 

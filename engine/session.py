@@ -156,6 +156,9 @@ class ChatSession:
             )
         c = self.costs.ratio()
         notes = list(self._notes)
+        runner = self.target_runner
+        if runner.native is None and self.target.device.type == "cpu":
+            notes.append(f"decoding through transformers' modules, not natively: {runner.native_off}")
         if c is not None:
             notes.append(
                 f"measured: draft/target step cost c={c:.2f}, "

@@ -69,6 +69,7 @@ def test_bench_end_to_end_writes_json_and_plots(
     assert data["arms"] == arms
     assert len(data["runs"]) == len(arms) * len(prompts)
     assert data["models"]["target"]["name"] == "stories260k"
+    assert data["models"]["native_decoder"] == "on"  # a Llama in float32 on the CPU
     assert data["environment"]["torch"] == torch.__version__
     assert data["config"]["decode"]["max_new_tokens"] == 16
     for arm in arms:

@@ -214,3 +214,13 @@ def test_no_chat_template_is_stated(target: torch.nn.Module) -> None:
     s = make(target)
     assert not s.has_template
     assert any("no chat template" in n for n in s.ready.notes)
+
+
+def test_a_cpu_target_without_the_native_decoder_says_why(
+    target: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert make(target).target_runner.native is not None
+    assert not any("not natively" in n for n in make(target).ready.notes)
+    monkeypatch.setenv("SPECCHAT_NATIVE_DECODER", "0")
+    notes = make(target).ready.notes
+    assert any("not natively: turned off by SPECCHAT_NATIVE_DECODER=0" in n for n in notes)
