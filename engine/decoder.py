@@ -14,9 +14,8 @@ whatever the native path does not support.
 Supported: Llama and Qwen2 (RMSNorm, rotary, grouped-query attention with
 optional q/k/v biases, SwiGLU), full attention scored row by row
 (engine/attention.py), a cache of `GrowingLayer`s, and projections that are
-float `nn.Linear`s, w4a8 (alone or as a shared-input group), or int8 / int4
-weight-only. Not w8a8 (fbgemm's packed weights are an object the C++ side
-would have to unwrap) nor bitsandbytes. Anything else
+float `nn.Linear`s, w4a8 or w8a8 (alone or as a shared-input group), or
+int8 / int4 weight-only. Not bitsandbytes (CUDA). Anything else
 gets `None` from `native_decoder` with the reason, and runs as before.
 """
 
@@ -35,6 +34,7 @@ from .errors import QuantizationError
 from .kv_cache import GrowingLayer
 from .quant import (
     Int4WeightOnlyLinear,
+    Int8DynamicLinear,
     Int8WeightOnlyLinear,
     SharedInputMember,
     W4A8Linear,
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 ENV = "SPECCHAT_NATIVE_DECODER"  # "0" turns the native path off (for A/B runs)
 ARCHITECTURES = ("llama", "qwen2")
-_DENSE, _W4A8, _INT8, _INT4 = 0, 1, 2, 3  # engine/csrc/decoder.cpp's Kind
+_DENSE, _W4A8, _INT8, _INT4, _W8A8 = 0, 1, 2, 3, 4  # engine/csrc/decoder.cpp's Kind
 _STAGES = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
@@ -92,7 +92,10 @@ class NativeDecoder:
         for args, projections in steps:
             self._impl.add_layer(*args)
             for projection in projections:
-                self._impl.add_projection(*projection)
+                self._impl.add_projection(*projection[:-1])
+                packed = projection[-1]
+                if packed is not None:  # w8a8: fbgemm's weights, an object of their own
+                    self._impl.attach_packed(*packed)
         self.model = model
         self.inner = inner
         self.num_layers = len(steps)
@@ -142,7 +145,7 @@ class NativeDecoder:
 
 
 def _layer_steps(layer: nn.Module) -> tuple[tuple[Any, ...], list[tuple[Any, ...]]]:
-    """add_layer's arguments and add_projection's, for one decoder layer."""
+    """add_layer's arguments and, per projection, add_projection's and attach_packed's (or None)."""
     attn: Any = getattr(layer, "self_attn", None)
     mlp: Any = getattr(layer, "mlp", None)
     norms: list[Any] = [
@@ -198,7 +201,10 @@ def _stage(stage: int, names: tuple[str, ...], modules: list[Any]) -> list[tuple
 def _out_features(module: Any, name: str) -> int:
     if module is None:
         raise Unsupported(f"no {name}")
-    return int(module.out_features)
+    out = getattr(module, "out_features", None)
+    if not isinstance(out, int):
+        raise Unsupported(f"{name} is a {type(module).__name__}")
+    return out
 
 
 def _projection(
@@ -209,14 +215,20 @@ def _projection(
     bias = [] if getattr(module, "bias", None) is None else [module.bias]
     shape = (int(module.in_features), int(module.out_features))
     if type(module) is nn.Linear:
-        return (stage, _DENSE, [module.weight], 0, bias, *shape, sizes, parts)
+        return (stage, _DENSE, [module.weight], 0, bias, *shape, sizes, parts, None)
     kind, tensors, group = _quantized(module, name)
     if isinstance(module, _QuantizedLinear) and module.compute_dtype != _COMPUTE[kind]:
         raise Unsupported(f"{name} computes in {module.compute_dtype}")
-    return (stage, kind, tensors, group, bias, *shape, sizes, parts)
+    packed = (module._packed, bool(module.reduce_range)) if kind == _W8A8 else None
+    return (stage, kind, tensors, group, bias, *shape, sizes, parts, packed)
 
 
-_COMPUTE = {_W4A8: torch.float32, _INT8: torch.bfloat16, _INT4: torch.bfloat16}  # as the C++
+_COMPUTE = {  # the dtype each kind's kernel takes, as in the C++
+    _W4A8: torch.float32,
+    _INT8: torch.bfloat16,
+    _INT4: torch.bfloat16,
+    _W8A8: torch.float32,
+}
 
 
 def _quantized(module: Any, name: str) -> tuple[int, list[Tensor], int]:
@@ -227,4 +239,6 @@ def _quantized(module: Any, name: str) -> tuple[int, list[Tensor], int]:
         return _INT8, [module.weight_int8, module.scales], 0
     if type(module) is Int4WeightOnlyLinear:
         return _INT4, [module.weight_int4pack, module.scales_and_zeros], module.group_size
+    if type(module) is Int8DynamicLinear:
+        return _W8A8, [module.weight_sums], 0
     raise Unsupported(f"{name} is a {type(module).__name__}")

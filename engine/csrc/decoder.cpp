@@ -18,6 +18,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/native/quantized/PackedParams.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -25,16 +26,20 @@
 
 namespace {
 
-// dense: nn.Linear; the others mirror engine/quant.py's W4A8Linear, Int8WeightOnlyLinear
-// and Int4WeightOnlyLinear.
-enum Kind : int64_t { kDense = 0, kW4A8 = 1, kInt8 = 2, kInt4 = 3 };
+// dense: nn.Linear; the others mirror engine/quant.py's W4A8Linear, Int8WeightOnlyLinear,
+// Int4WeightOnlyLinear and Int8DynamicLinear (w8a8).
+enum Kind : int64_t { kDense = 0, kW4A8 = 1, kInt8 = 2, kInt4 = 3, kW8A8 = 4 };
+using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
 
 // One projection, or several stacked into one GEMM: the result is split into `sizes`
 // parts, each with its own bias (undefined when none).
 struct Projection {
   int64_t kind = kDense;
   at::Tensor weight;  // dense: [N, K]; w4a8: packed [N/4, K/64, 4, 32]; int8: [N, K]; int4: packed
-  at::Tensor scales, mins;  // w4a8: scales, mins; int8: scales; int4: scales and zeros
+  at::Tensor scales, mins;  // w4a8: scales, mins; int8: scales; int4: scales and zeros;
+                            // w8a8: scales = the weight's row sums
+  Packed packed;  // w8a8: fbgemm's weights
+  bool reduce_range = false;  // w8a8
   int64_t group_size = 0;  // int4
   at::ScalarType compute = at::kFloat;  // the dtype the quantized kernel takes
   at::Tensor bias;  // dense only: passed to linear
@@ -51,6 +56,17 @@ struct Layer {
   std::vector<Projection> qkv, gate_up;  // parts: q, k, v / gate, up
   Projection o, down;
 };
+
+at::Tensor w8a8(const at::Tensor& x2, const Projection& p) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("quantized::linear_dynamic", "")
+                       .typed<at::Tensor(at::Tensor, const Packed&, bool)>();
+  auto [lo, hi] = at::aminmax(x2, 1, true);
+  auto span = (hi - lo).clamp_min(1e-30);
+  auto u = (x2 - lo) / span;
+  auto y = op.call(u, p.packed, p.reduce_range);
+  return at::addcmul(lo * p.scales, y, span);
+}
 
 at::Tensor w4a8(const at::Tensor& x, const Projection& p) {
   static auto op = c10::Dispatcher::singleton()
@@ -72,6 +88,8 @@ void project(const Projection& p, const at::Tensor& x, std::vector<at::Tensor>& 
     at::Tensor rows;
     if (p.kind == kW4A8)
       rows = w4a8(x2, p);
+    else if (p.kind == kW8A8)
+      rows = w8a8(x2, p);
     else if (p.kind == kInt8)
       rows = at::_weight_int8pack_mm(x2, p.weight, p.scales);
     else
@@ -135,14 +153,15 @@ struct Decoder : torch::CustomClassHolder {
                       int64_t out_features, std::vector<int64_t> sizes,
                       std::vector<at::Tensor> part_bias) {
     TORCH_CHECK(!layers.empty(), "add_layer first");
-    TORCH_CHECK(kind >= kDense && kind <= kInt4, "unknown projection kind ", kind);
-    const size_t expected[] = {1, 3, 2, 2};
+    TORCH_CHECK(kind >= kDense && kind <= kW8A8, "unknown projection kind ", kind);
+    const size_t expected[] = {1, 3, 2, 2, 1};  // w8a8: the row sums; then attach_packed
     TORCH_CHECK(tensors.size() == expected[kind], "wrong number of weight tensors");
     TORCH_CHECK(sizes.size() == part_bias.size() && !sizes.empty(), "one bias slot per part");
     Projection p;
     p.kind = kind;
     p.weight = tensors[0];
-    if (kind != kDense) p.scales = tensors[1];
+    if (kind == kW8A8) p.scales = tensors[0];
+    if (kind != kDense && kind != kW8A8) p.scales = tensors[1];
     if (kind == kW4A8) p.mins = tensors[2];
     if (kind == kInt8 || kind == kInt4) p.compute = at::kBFloat16;
     p.group_size = group_size;
@@ -159,6 +178,21 @@ struct Decoder : torch::CustomClassHolder {
       case 3: l.down = std::move(p); break;
       default: TORCH_CHECK(false, "unknown stage ", stage);
     }
+  }
+
+  // fbgemm's packed weights for the w8a8 projection added last.
+  void attach_packed(Packed packed, bool reduce_range) {
+    TORCH_CHECK(!layers.empty(), "add_layer first");
+    Layer& l = layers.back();
+    Projection* p = nullptr;  // the last stage that has a w8a8 projection without weights
+    for (auto* stage : {&l.qkv, &l.gate_up})
+      for (auto& q : *stage)
+        if (q.kind == kW8A8 && !q.packed) p = &q;
+    for (auto* q : {&l.o, &l.down})
+      if (q->kind == kW8A8 && !q->packed) p = q;
+    TORCH_CHECK(p != nullptr, "no w8a8 projection waits for its weights");
+    p->packed = std::move(packed);
+    p->reduce_range = reduce_range;
   }
 
   // Layers first..first+L-1 for M new rows at positions past..past+M-1. h [1, M, H] the
@@ -226,5 +260,6 @@ TORCH_LIBRARY_FRAGMENT(specchat, m) {
       .def(torch::init<>())
       .def("add_layer", &Decoder::add_layer)
       .def("add_projection", &Decoder::add_projection)
+      .def("attach_packed", &Decoder::attach_packed)
       .def("forward", &Decoder::forward);
 }

@@ -116,11 +116,21 @@ def test_weight_only_int8_and_int4_are_bit_identical(mode: QuantMode) -> None:
 
 
 @pytest.mark.skipif(not has_fbgemm(), reason="w8a8 needs fbgemm, which this torch lacks")
-def test_unsupported_models_say_why_and_keep_the_modules_path() -> None:
-    model = quant.apply(tiny_llama(hidden=64), QuantMode.W8A8, lm_head=False)
+def test_w8a8_groups_are_bit_identical() -> None:
+    """fbgemm's packed weights reach the C++ as the object the modules call."""
+    model = quant.apply(tiny_qwen2(hidden=128), QuantMode.W8A8, lm_head=False)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, quant.SharedInputMember)
+    same_everywhere(model, list(range(3, 40)))
+
+
+def test_unsupported_projections_say_why_and_keep_the_modules_path() -> None:
+    model = tiny_llama(hidden=64)
+    with torch.no_grad():  # a projection kind the native decoder does not know
+        mlp = model.model.layers[1].mlp
+        mlp.down_proj = torch.nn.Sequential(mlp.down_proj)
     runner = ModelRunner(model, torch.device("cpu"))  # type: ignore[arg-type]
     assert runner.native is None
-    assert "Int8DynamicLinear" in runner.native_off
+    assert "down_proj is a Sequential" in runner.native_off
     runner.feed(list(range(3, 20)))
     assert runner.feed([4]).shape == (1, runner.vocab)
 
