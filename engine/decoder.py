@@ -97,6 +97,7 @@ class NativeDecoder:
                 if packed is not None:  # w8a8: fbgemm's weights, an object of their own
                     self._impl.attach_packed(*packed)
         self.model = model
+        self.config = config
         self.inner = inner
         self.num_layers = len(steps)
 
@@ -107,6 +108,8 @@ class NativeDecoder:
         (the first pass of a conversation, which creates them, takes the modules).
         """
         if not 0 < n <= MAX_ROWWISE or past <= 0 or len(cache.layers) != self.num_layers:
+            return False
+        if self.config._attn_implementation != NAME:  # switched since: the modules decide
             return False
         for i in layers if layers is not None else range(self.num_layers):
             layer = cache.layers[i]

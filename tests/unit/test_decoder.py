@@ -148,6 +148,8 @@ def test_first_pass_and_long_blocks_take_the_modules_path() -> None:
     fast.feed(list(range(3, 10)))
     assert fast.native.usable(fast.cache, fast.cached, 1)
     assert not fast.native.usable(fast.cache, fast.cached, 64)  # a prompt
+    fast.model.set_attn_implementation("sdpa")  # switched after the runner was made
+    assert not fast.native.usable(fast.cache, fast.cached, 1)
 
 
 @needs_stories
