@@ -61,9 +61,9 @@ def native_decoder(model: PreTrainedModel) -> tuple[NativeDecoder | None, str]:
         return NativeDecoder(model), ""
     except Unsupported as exc:
         return None, str(exc)
-    except QuantizationError as exc:  # the kernel could not be built
+    except (QuantizationError, RuntimeError) as exc:  # not built; or refused by the C++ side
         log.warning("native decoder unavailable: %s", exc)
-        return None, str(exc)
+        return None, str(exc).strip().splitlines()[0]
 
 
 class NativeDecoder:

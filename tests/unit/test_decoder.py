@@ -218,3 +218,12 @@ def test_early_exit_layer_ranges_are_bit_identical() -> None:
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     for la, lb in zip(fast.cache.layers, slow.cache.layers, strict=True):
         assert torch.equal(la.keys, lb.keys)
+
+
+def test_a_refusal_from_the_cpp_side_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*_args: object) -> None:
+        raise RuntimeError("wrong number of weight tensors\nException raised from ...")
+
+    monkeypatch.setattr(decoder, "_layer_steps", refuse)
+    runner = ModelRunner(tiny_llama(), torch.device("cpu"))  # type: ignore[arg-type]
+    assert runner.native is None and runner.native_off == "wrong number of weight tensors"
