@@ -129,7 +129,8 @@ class LayerStack:
     call them, so a pass through all layers gives the model's own numbers.
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, runner: ModelRunner | None = None) -> None:
+        """`runner`: the runner over `model` whose native decoder to share (else one is built)."""
         inner = getattr(model, "model", None)
         needed = ("embed_tokens", "layers", "norm", "rotary_emb")
         if inner is None or not all(hasattr(inner, n) for n in needed):
@@ -152,7 +153,11 @@ class LayerStack:
         types = getattr(model.config, "layer_types", None)
         self.layer_types: list[str] = list(types or ["full_attention"] * self.num_layers)
         # Layer ranges in one native call where possible (engine/decoder.py): bit-identical.
-        self.native, _ = native_decoder(model)
+        # The runner's, when it serves the same model: steppers are made every turn.
+        if runner is not None and runner.model is model:
+            self.native = runner.native
+        else:
+            self.native, _ = native_decoder(model)
 
     def begin(self, ids: Tensor, cache: DynamicCache, past: int) -> _Pass:
         """Embed ids [S] at positions past..past+S-1; rotary for the pass."""
@@ -306,7 +311,7 @@ class EarlyExitStepper:
     def __init__(self, runner: ModelRunner, policy: ExitPolicy) -> None:
         self.runner = runner
         self.policy = policy
-        self.stack = LayerStack(runner.model)
+        self.stack = LayerStack(runner.model, runner)
         if policy.layers and policy.layers[-1] >= self.stack.num_layers:
             raise ValueError(
                 f"exit layers must be below {self.stack.num_layers}, got {policy.layers}"
@@ -425,7 +430,7 @@ class SelfSpecDrafter:
     def __init__(
         self, target: LoadedModel, exit_layer: int, runner: ModelRunner | None = None
     ) -> None:
-        self.stack = LayerStack(target.model)
+        self.stack = LayerStack(target.model, runner)
         if not 1 <= exit_layer <= self.stack.num_layers:
             raise ValueError(f"exit_layer must be in 1..{self.stack.num_layers}, got {exit_layer}")
         self.exit_layer = exit_layer

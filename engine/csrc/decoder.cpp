@@ -130,6 +130,7 @@ at::Tensor one_query(const at::Tensor& query, const at::Tensor& key, const at::T
 
 struct Decoder : torch::CustomClassHolder {
   std::vector<Layer> layers;
+  Projection* last_ = nullptr;  // the projection add_projection added last; attach_packed's
 
   void add_layer(at::Tensor norm1, double eps1, at::Tensor norm2, double eps2, int64_t heads,
                  int64_t kv_heads, int64_t head_dim, double scaling) {
@@ -143,6 +144,7 @@ struct Decoder : torch::CustomClassHolder {
     l.head_dim = head_dim;
     l.scaling = scaling;
     layers.push_back(std::move(l));
+    last_ = nullptr;  // pointed into a layer the push may have moved
   }
 
   // stage: 0 q/k/v, 1 o, 2 gate/up, 3 down. tensors: dense [weight], w4a8 [packed, scales,
@@ -172,27 +174,20 @@ struct Decoder : torch::CustomClassHolder {
     for (auto& b : part_bias) p.part_bias.push_back(b.numel() ? b : at::Tensor());
     Layer& l = layers.back();
     switch (stage) {
-      case 0: l.qkv.push_back(std::move(p)); break;
-      case 1: l.o = std::move(p); break;
-      case 2: l.gate_up.push_back(std::move(p)); break;
-      case 3: l.down = std::move(p); break;
+      case 0: l.qkv.push_back(std::move(p)); last_ = &l.qkv.back(); break;
+      case 1: l.o = std::move(p); last_ = &l.o; break;
+      case 2: l.gate_up.push_back(std::move(p)); last_ = &l.gate_up.back(); break;
+      case 3: l.down = std::move(p); last_ = &l.down; break;
       default: TORCH_CHECK(false, "unknown stage ", stage);
     }
   }
 
   // fbgemm's packed weights for the w8a8 projection added last.
   void attach_packed(Packed packed, bool reduce_range) {
-    TORCH_CHECK(!layers.empty(), "add_layer first");
-    Layer& l = layers.back();
-    Projection* p = nullptr;  // the last stage that has a w8a8 projection without weights
-    for (auto* stage : {&l.qkv, &l.gate_up})
-      for (auto& q : *stage)
-        if (q.kind == kW8A8 && !q.packed) p = &q;
-    for (auto* q : {&l.o, &l.down})
-      if (q->kind == kW8A8 && !q->packed) p = q;
-    TORCH_CHECK(p != nullptr, "no w8a8 projection waits for its weights");
-    p->packed = std::move(packed);
-    p->reduce_range = reduce_range;
+    TORCH_CHECK(last_ != nullptr && last_->kind == kW8A8 && !last_->packed,
+                "attach_packed follows add_projection of a w8a8 projection");
+    last_->packed = std::move(packed);
+    last_->reduce_range = reduce_range;
   }
 
   // Layers first..first+L-1 for M new rows at positions past..past+M-1. h [1, M, H] the

@@ -227,3 +227,14 @@ def test_a_refusal_from_the_cpp_side_falls_back(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(decoder, "_layer_steps", refuse)
     runner = ModelRunner(tiny_llama(), torch.device("cpu"))  # type: ignore[arg-type]
     assert runner.native is None and runner.native_off == "wrong number of weight tensors"
+
+
+def test_the_early_exit_stack_shares_its_runners_decoder() -> None:
+    """Steppers are made every turn: they must not build a second decoder each time."""
+    from specchat.engine.early_exit import EarlyExitStepper, ExitPolicy, LayerStack
+
+    model = tiny_llama()
+    runner = ModelRunner(model, torch.device("cpu"))  # type: ignore[arg-type]
+    stepper = EarlyExitStepper(runner, ExitPolicy.uniform((2,), 0.9))
+    assert stepper.stack.native is runner.native is not None
+    assert LayerStack(model).native is not runner.native  # no runner: its own
