@@ -254,11 +254,14 @@ class W4A8Linear(_QuantizedLinear):
     computes each output row from its own input row only.
     """
 
-    packed: torch.Tensor  # [N/4, K/64, 4, 32] uint8: two 4-bit codes a byte
-    scales: torch.Tensor  # [N/4, K/64, 8] float16
-    mins: torch.Tensor  # [N/4, K/64, 8] float16
+    packed: torch.Tensor  # [N/8, K/32, 128] uint8: two 4-bit codes a byte
+    scales: torch.Tensor  # [N/8, K/32, 8] float16
+    mins: torch.Tensor  # [N/8, K/32, 8] float16
 
     def __init__(self, linear: nn.Linear) -> None:
+        from . import native
+
+        native.load("w4a8")  # once per process; raises QuantizationError with the reason
         super().__init__(linear)
         packed, scales, mins = pack_w4a8(linear.weight.detach())
         self.register_buffer("packed", packed)
@@ -278,8 +281,8 @@ class W4A8Linear(_QuantizedLinear):
 
 
 W4A8_GROUP = 32  # input channels sharing one weight scale and minimum (and one activation scale)
-W4A8_IN_MULTIPLE = 64  # the kernel walks two groups at a time
-_W4A8_ROWS = 4  # output rows the kernel packs together
+W4A8_IN_MULTIPLE = W4A8_GROUP  # the kernel walks whole groups
+_W4A8_ROWS = 8  # output rows the kernel interleaves
 
 
 @torch.no_grad()
@@ -302,38 +305,36 @@ def quantize_w4a8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 
 @torch.no_grad()
 def pack_w4a8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """weight [N, K] -> the kernel's (packed, scales, mins), in slices to bound peak memory.
+    """weight [N, K] -> the kernel's (packed [N/8, K/32, 128], scales, mins [N/8, K/32, 8]).
 
-    Rows go in groups of 4 (zero rows pad the last); for each pair of 32-groups a
-    row holds 32 bytes: the first group's 16 bytes, then the second's, byte j of a
-    group carrying code j in its low nibble and code j + 16 in its high one. Scales
-    and minimums: per row group and pair, [first group rows 0-3, second group rows 0-3].
+    Rows go in groups of 8 (zero rows pad the last), and a group's 32-input blocks
+    follow one another. A block is 4 loads of 32 bytes; in load i, row r holds bytes
+    4r..4r+3, byte j carrying code 4i + j in its low nibble and code 16 + 4i + j in its
+    high one. Scales and minimums: per row group and block, rows 0-7. Packed in slices
+    to bound peak memory.
     """
     n, k = weight.shape
     if k % W4A8_IN_MULTIPLE:
         raise ValueError(f"w4a8 needs in_features divisible by {W4A8_IN_MULTIPLE}, not {k}")
-    pairs, step = k // W4A8_IN_MULTIPLE, _ROWS_PER_CHUNK
+    blocks, rows = k // W4A8_GROUP, _W4A8_ROWS
     packed_parts: list[torch.Tensor] = []
     scale_parts: list[torch.Tensor] = []
     min_parts: list[torch.Tensor] = []
-    for start in range(0, n, step):
-        codes, scales, mins = quantize_w4a8(weight[start : start + step])
-        rows = codes.shape[0]
-        pad = -rows % _W4A8_ROWS
+    for start in range(0, n, _ROWS_PER_CHUNK):
+        codes, scales, mins = quantize_w4a8(weight[start : start + _ROWS_PER_CHUNK])
+        pad = -codes.shape[0] % rows
         if pad:
             codes = torch.cat([codes, codes.new_zeros(pad, k)])
-            scales = torch.cat([scales, scales.new_zeros(pad, scales.shape[1])])
-            mins = torch.cat([mins, mins.new_zeros(pad, mins.shape[1])])
-        g = codes.reshape(-1, k // W4A8_GROUP, W4A8_GROUP)
-        nibbles = g[..., :16] | (g[..., 16:] << 4)  # [R, G, 16]
-        groups = nibbles.shape[0] // _W4A8_ROWS
-        packed_parts.append(
-            nibbles.reshape(groups, _W4A8_ROWS, pairs, 32).transpose(1, 2).contiguous()
-        )
+            scales = torch.cat([scales, scales.new_zeros(pad, blocks)])
+            mins = torch.cat([mins, mins.new_zeros(pad, blocks)])
+        groups = codes.shape[0] // rows
+        # [group, row, block, half, load, byte] -> [group, block, half, load, row, byte]
+        c = codes.reshape(groups, rows, blocks, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)
+        packed_parts.append((c[:, :, 0] | (c[:, :, 1] << 4)).reshape(groups, blocks, 4 * rows * 4))
         for parts, t in ((scale_parts, scales), (min_parts, mins)):
-            parts.append(t.reshape(groups, _W4A8_ROWS, pairs, 2).permute(0, 2, 3, 1).reshape(groups, pairs, 8))
+            parts.append(t.reshape(groups, rows, blocks).transpose(1, 2))
     return (
-        torch.cat(packed_parts),
+        torch.cat(packed_parts).contiguous(),
         torch.cat(scale_parts).contiguous(),
         torch.cat(min_parts).contiguous(),
     )

@@ -35,7 +35,7 @@ using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
 // parts, each with its own bias (undefined when none).
 struct Projection {
   int64_t kind = kDense;
-  at::Tensor weight;  // dense: [N, K]; w4a8: packed [N/4, K/64, 4, 32]; int8: [N, K]; int4: packed
+  at::Tensor weight;  // dense: [N, K]; w4a8: packed [N/8, K/32, 128]; int8: [N, K]; int4: packed
   at::Tensor scales, mins;  // w4a8: scales, mins; int8: scales; int4: scales and zeros;
                             // w8a8: scales = the weight's row sums
   Packed packed;  // w8a8: fbgemm's weights

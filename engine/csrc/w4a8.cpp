@@ -5,9 +5,17 @@
 //                               + mw[n,b] * da[m,b] * sum_i qa[m,i]            (the minimum)
 //
 // Weights are 4-bit codes 0..15, so they are the unsigned operand of vpmaddubsw and
-// activations the signed one: pairs of products reach 2 * 15 * 127, far from int16's limit.
-// The layout is chosen so that one thread reads its weights as one forward stream:
-// rows in groups of 4, and for each pair of blocks the 4 rows' 32 bytes side by side.
+// activations the signed one. Rows go in groups of 8, interleaved: a 32-byte load holds
+// 4 consecutive codes of each of the 8 rows, so one vpmaddubsw against 4 activation
+// bytes broadcast to every row gives each row's partial dot in its own lanes. A block's
+// 8 products per lane pair stay below int16's limit (8 * 2 * 15 * 127 = 30480), so the
+// 32 products of a block are summed in integers, and one float conversion and one fused
+// multiply-add per block serve all 8 rows. Nothing is reduced across lanes: output row r
+// is lane r.
+//
+// A block of 8 rows is 128 bytes of codes, with its 8 scales and 8 minimums in two
+// parallel arrays; a thread reads each as one forward stream and prefetches the codes
+// ahead (the hardware prefetcher stops at page boundaries).
 // Each output row is computed from its own input row only, by the same instructions in
 // the same order whatever M is: a token's logits do not depend on its neighbours.
 //
@@ -22,16 +30,18 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
-constexpr int64_t QK = 32;    // one scale per 32 values along K, weights and activations
-constexpr int64_t PAIR = 64;  // the kernel walks K two blocks at a time
-constexpr int ROWS = 4;       // output rows packed together
+constexpr int64_t QK = 32;                       // one scale per 32 values along K
+constexpr int ROWS = 8;                          // output rows interleaved together
+constexpr int64_t BLOCK_BYTES = ROWS * QK / 2;   // one block of 8 rows: 128 bytes of codes
+constexpr int64_t PREFETCH = 1024;               // bytes ahead; measured best of 512/1024/2048
 
-// One activation row, quantized per block of 32 and laid out per pair of blocks:
-// qa[pair] = [lo 0..15 of block 2p | lo of 2p+1 | 16..31 of 2p | 16..31 of 2p+1] (64 bytes),
-// ds[pair] = [d(2p) x4 | d(2p+1) x4], ss[pair] = [d*sum(q) (2p) x4 | (2p+1) x4].
+
+// One activation row, quantized per block of 32: codes in order, ds[b] the block's scale
+// and ss[b] = ds[b] * the sum of its codes (what the minimums multiply).
 void quantize_row(const float* x, int8_t* qa, float* ds, float* ss, int64_t K) {
   const __m256 signbit = _mm256_set1_ps(-0.0f);
   const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -59,93 +69,81 @@ void quantize_row(const float* x, int8_t* qa, float* ds, float* ss, int64_t K) {
     s4 = _mm_hadd_epi32(s4, s4);
     const __m256i p = _mm256_permutevar8x32_epi32(
         _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), perm);
-    const int64_t pair = b / 2, half = b % 2;
-    int8_t* dst = qa + pair * PAIR;
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16 * half), _mm256_castsi256_si128(p));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 32 + 16 * half), _mm256_extracti128_si256(p, 1));
-    const float sd = d * static_cast<float>(_mm_cvtsi128_si32(s4));
-    for (int j = 0; j < 4; ++j) {
-      ds[pair * 8 + 4 * half + j] = d;
-      ss[pair * 8 + 4 * half + j] = sd;
-    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qa + b * QK), p);
+    ds[b] = d;
+    ss[b] = d * static_cast<float>(_mm_cvtsi128_si32(s4));
   }
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+// 4 activation bytes, repeated for each of the 8 rows.
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
 }
 
-// MC activation rows against one group of ROWS weight rows.
-// w: [np][ROWS][32 bytes]; dw, mw: [np][8] float16 = [block 2p rows 0..3 | block 2p+1 rows 0..3].
+// MC activation rows against one group of 8 weight rows.
+// w: [nb][4][8 rows][4 bytes]: in load i of a block, row r's byte j carries code 4i + j in
+// its low nibble and code 16 + 4i + j in its high one. dw, mw: [nb][8] float16, row r at r.
 template <int MC>
-void group_rows(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int64_t np, const int8_t* qa,
-                const float* ds, const float* ss, int64_t K, float* y, int64_t N, int64_t n0,
-                int64_t n_valid) {
+void group_rows(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int64_t nb,
+                const int8_t* qa, const float* ds, const float* ss, int64_t K, float* y,
+                int64_t N, int64_t n0, int64_t n_valid) {
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const int64_t astride = K / PAIR;  // pairs per activation row
-  __m256 acc[MC][ROWS];
-  __m256 macc[MC];
-  for (int m = 0; m < MC; ++m) {
-    macc[m] = _mm256_setzero_ps();
-    for (int r = 0; r < ROWS; ++r) acc[m][r] = _mm256_setzero_ps();
-  }
-  for (int64_t p = 0; p < np; ++p) {
-    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dw + p * 8)));
-    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mw + p * 8)));
-    __m256i lo[ROWS], hi[ROWS];
-    __m256 sc[ROWS];
-    for (int r = 0; r < ROWS; ++r) {
-      const __m256i raw =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (p * ROWS + r) * 32));
-      lo[r] = _mm256_and_si256(raw, low4);
-      hi[r] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-      sc[r] = _mm256_permutevar8x32_ps(dv, _mm256_setr_epi32(r, r, r, r, r + 4, r + 4, r + 4, r + 4));
-    }
-    for (int m = 0; m < MC; ++m) {
-      const int8_t* a = qa + (m * astride + p) * PAIR;
-      const __m256i alo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
-      const __m256i ahi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32));
-      const __m256 da = _mm256_loadu_ps(ds + (m * astride + p) * 8);
-      for (int r = 0; r < ROWS; ++r) {
-        const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[r], alo),
-                                             _mm256_maddubs_epi16(hi[r], ahi));
-        const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
-        acc[m][r] = _mm256_fmadd_ps(f, _mm256_mul_ps(sc[r], da), acc[m][r]);
+  __m256 acc[MC];
+  for (int m = 0; m < MC; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = w + b * BLOCK_BYTES;
+    _mm_prefetch(reinterpret_cast<const char*>(wb + PREFETCH), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wb + PREFETCH + 64), _MM_HINT_T0);
+    __m256i s[MC];
+    for (int m = 0; m < MC; ++m) s[m] = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * i));
+      const __m256i lo = _mm256_and_si256(raw, low4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+      for (int m = 0; m < MC; ++m) {
+        const int8_t* a = qa + m * K + b * QK + 4 * i;
+        s[m] = _mm256_add_epi16(s[m], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(a)),
+                                                       _mm256_maddubs_epi16(hi, bcast4(a + 16))));
       }
-      macc[m] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(ss + (m * astride + p) * 8), macc[m]);
+    }
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dw + b * 8)));
+    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mw + b * 8)));
+    for (int m = 0; m < MC; ++m) {
+      const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[m], ones));
+      acc[m] = _mm256_fmadd_ps(f, _mm256_mul_ps(dv, _mm256_set1_ps(ds[m * nb + b])), acc[m]);
+      acc[m] = _mm256_fmadd_ps(mv, _mm256_set1_ps(ss[m * nb + b]), acc[m]);
     }
   }
   for (int m = 0; m < MC; ++m) {
-    alignas(16) float mo[4];
-    _mm_store_ps(mo, _mm_add_ps(_mm256_castps256_ps128(macc[m]), _mm256_extractf128_ps(macc[m], 1)));
-    for (int r = 0; r < ROWS && r < n_valid; ++r) y[m * N + n0 + r] = hsum(acc[m][r]) + mo[r];
+    alignas(32) float out[ROWS];
+    _mm256_store_ps(out, acc[m]);
+    for (int r = 0; r < ROWS && r < n_valid; ++r) y[m * N + n0 + r] = out[r];
   }
 }
 
-// x [M, K] float32; packed [N/4, K/64, 4, 32] uint8; scales, mins [N/4, K/64, 8] float16 -> [M, N]
+// x [M, K] float32; packed [N/8, K/32, 128] uint8; scales, mins [N/8, K/32, 8] float16 -> [M, N]
 at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const at::Tensor& mins, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x: contiguous float32 [M, K]");
-  const int64_t M = x.size(0), K = x.size(1), np = K / PAIR, groups = packed.size(0);
-  TORCH_CHECK(K % PAIR == 0, "in_features must be a multiple of 64");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 4 &&
-                  packed.size(1) == np && packed.size(2) == ROWS && packed.size(3) == 32 &&
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK, groups = packed.size(0);
+  TORCH_CHECK(K % QK == 0, "in_features must be a multiple of 32");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(1) == nb && packed.size(2) == BLOCK_BYTES &&
                   groups * ROWS >= N && groups * ROWS < N + ROWS,
               "packed weights do not match the input");
   for (const at::Tensor* t : {&scales, &mins})
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->numel() == groups * np * 8,
-                "scales and minimums must be contiguous float16 [N/4, K/64, 8]");
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->numel() == groups * nb * 8,
+                "scales and minimums must be contiguous float16 [N/8, K/32, 8]");
   auto qa = at::empty({M, K}, x.options().dtype(at::kChar));
-  auto ds = at::empty({M, np * 8}, x.options());
-  auto ss = at::empty({M, np * 8}, x.options());
+  auto ds = at::empty({M, nb}, x.options());
+  auto ss = at::empty({M, nb}, x.options());
   for (int64_t m = 0; m < M; ++m)
     quantize_row(x.data_ptr<float>() + m * K, qa.data_ptr<int8_t>() + m * K,
-                 ds.data_ptr<float>() + m * np * 8, ss.data_ptr<float>() + m * np * 8, K);
+                 ds.data_ptr<float>() + m * nb, ss.data_ptr<float>() + m * nb, K);
   auto y = at::empty({M, N}, x.options());
   const uint8_t* W = packed.data_ptr<uint8_t>();
   const auto* D = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
@@ -157,21 +155,26 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   // Threads take chunks of ~32 KB of weights from a shared counter instead of a fixed
   // share each: on a machine where another process holds a core for a while, the thread
   // that keeps running does the rest instead of waiting at the end for the stalled one.
-  const int64_t chunk = std::max<int64_t>(1, 32768 / (np * ROWS * 32));
+  const int64_t chunk = std::max<int64_t>(1, 32768 / (nb * BLOCK_BYTES));
   const int64_t chunks = (groups + chunk - 1) / chunk;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(chunks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1))
     for (int64_t g = c * chunk, g1 = std::min(groups, g + chunk); g < g1; ++g) {
-      const uint8_t* w = W + g * np * ROWS * 32;
-      const uint16_t* dw = D + g * np * 8;
-      const uint16_t* mw = MN + g * np * 8;
+      const uint8_t* w = W + g * nb * BLOCK_BYTES;
+      const uint16_t* dw = D + g * nb * 8;
+      const uint16_t* mw = MN + g * nb * 8;
       const int64_t n0 = g * ROWS, nv = std::min<int64_t>(ROWS, N - n0);
-      int64_t m = 0;
-      for (; m + 2 <= M; m += 2)
-        group_rows<2>(w, dw, mw, np, QA + m * K, DS + m * np * 8, SS + m * np * 8, K, Y + m * N, N, n0, nv);
-      for (; m < M; ++m)
-        group_rows<1>(w, dw, mw, np, QA + m * K, DS + m * np * 8, SS + m * np * 8, K, Y + m * N, N, n0, nv);
+      int64_t m = 0;  // up to 4 activation rows share each unpacked load of weights
+      for (; m + 4 <= M; m += 4)
+        group_rows<4>(w, dw, mw, nb, QA + m * K, DS + m * nb, SS + m * nb, K, Y + m * N, N, n0, nv);
+      const int64_t rest = M - m;
+      if (rest == 3)
+        group_rows<3>(w, dw, mw, nb, QA + m * K, DS + m * nb, SS + m * nb, K, Y + m * N, N, n0, nv);
+      else if (rest == 2)
+        group_rows<2>(w, dw, mw, nb, QA + m * K, DS + m * nb, SS + m * nb, K, Y + m * N, N, n0, nv);
+      else if (rest == 1)
+        group_rows<1>(w, dw, mw, nb, QA + m * K, DS + m * nb, SS + m * nb, K, Y + m * N, N, n0, nv);
     }
   });
   return y;
