@@ -4,7 +4,7 @@ With per-token acceptance rate α, a round that drafts K tokens emits on
 average E(K) = (1 - α^(K+1)) / (1 - α) tokens (Leviathan et al. 2023, eq. 1).
 Its cost, in units of one plain target step, is K·c + v(K), where c is the
 draft/target cost ratio of one step and v(K) the cost of verifying K+1
-positions in one pass (v ≈ 1 on a GPU; above 1 on a CPU). The expected
+positions in one pass (v ≈ 1 on a GPU; above 1 on a CPU, measured per K). The expected
 speedup is S(K) = E(K) / (K·c + v(K)); with v = 1 this is the paper's
 (1 - α^(K+1)) / ((1 - α)(K·c + 1)).
 
@@ -15,7 +15,7 @@ a number of plain tokens, since acceptance changes with the text.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .config import DecodeConfig, Mode
 
@@ -39,6 +39,9 @@ class Costs:
     target_step_ms: float | None = None  # one plain target step
     draft_step_ms: float | None = None  # one draft step
     verify_slope: float = 0.05  # v(K) = 1 + slope·K, fitted from verify passes
+    # v(K) measured at these K. On a CPU v is not linear in K (a 2-token pass can
+    # cost 1.1 steps and a 5-token one 2), so measured points beat the slope.
+    verify_at: dict[int, float] = field(default_factory=dict)
 
     def ratio(self) -> float | None:
         if self.target_step_ms and self.draft_step_ms is not None:
@@ -46,7 +49,15 @@ class Costs:
         return None
 
     def verify_ratio(self, k: int) -> float:
-        return 1.0 + self.verify_slope * k
+        """v(K): measured, else interpolated between measured K (v(0) = 1), else the slope."""
+        if k in self.verify_at:
+            return self.verify_at[k]
+        below = max((j for j in self.verify_at if j < k), default=0)
+        above = min((j for j in self.verify_at if j > k), default=None)
+        v_below = self.verify_at.get(below, 1.0)
+        if above is None:
+            return v_below + self.verify_slope * (k - below)
+        return v_below + (self.verify_at[above] - v_below) * (k - below) / (above - below)
 
 
 def _ema(old: float | None, new: float, w: float = 0.3) -> float:
@@ -70,6 +81,10 @@ class Controller:
         self.mode = Mode.SPEC
         self._plain_since_probe = 0
         self._pending_reason: str | None = None
+        if self.adaptive and self.costs.ratio() is not None:
+            # The first round already uses the measured costs (and the prior α):
+            # on a CPU where verifying 5 tokens costs 2 steps, K=1 is the best start.
+            self.k = self.best()[0]
 
     @property
     def alpha(self) -> float:
@@ -113,6 +128,7 @@ class Controller:
         if step:
             slope = max(0.0, (verify_ms / step - 1.0) / k)
             self.costs.verify_slope = _ema(self.costs.verify_slope, slope, 0.2)
+            self.costs.verify_at[k] = _ema(self.costs.verify_at.get(k), verify_ms / step, 0.2)
         else:
             # No plain step measured yet: take the verify pass as an upper bound of a step.
             self.costs.target_step_ms = verify_ms

@@ -160,11 +160,10 @@ class ChatSession:
         if runner.native is None and self.target.device.type == "cpu":
             notes.append(f"decoding through transformers' modules, not natively: {runner.native_off}")
         if c is not None:
-            notes.append(
-                f"measured: draft/target step cost c={c:.2f}, "
-                f"target step {self.costs.target_step_ms:.1f} ms, "
-                f"verify slope {self.costs.verify_slope:.3f}/token"
-            )
+            facts = [f"draft/target step cost c={c:.2f}"]
+            facts.append(f"target step {self.costs.target_step_ms:.1f} ms")
+            facts += [f"verify K={k}: {v:.2f} steps" for k, v in sorted(self.costs.verify_at.items())]
+            notes.append("measured: " + ", ".join(facts))
         return Ready(
             summary="; ".join(parts),
             target=t,
@@ -197,6 +196,7 @@ class ChatSession:
 
         step = median(self.target_runner, 1)
         verify = median(self.target_runner, k + 1)
+        verify_one = median(self.target_runner, 2)  # K=1: on a CPU often the best K
         draft_step = median(draft_runner, 1)
         self.target_runner.reset()
         self.tokens = []
@@ -204,6 +204,7 @@ class ChatSession:
             target_step_ms=step,
             draft_step_ms=draft_step,
             verify_slope=max(0.0, (verify / step - 1.0) / k),
+            verify_at={1: verify_one / step, k: verify / step},
         )
         self.ready = self._make_ready()
         return self.costs
@@ -219,7 +220,9 @@ class ChatSession:
             return self.costs
         costs = self._mode_costs.get(mode)
         if costs is None:
-            costs = Costs(self.costs.target_step_ms, None, self.costs.verify_slope)
+            costs = Costs(
+                self.costs.target_step_ms, None, self.costs.verify_slope, dict(self.costs.verify_at)
+            )
             self._mode_costs[mode] = costs
         return costs
 

@@ -63,3 +63,27 @@ def test_forced_k_never_changes() -> None:
     ctrl = Controller(DecodeConfig(k=3), Costs(target_step_ms=100, draft_step_ms=90))
     feed(ctrl, 3, 0, 10, 90, 200)
     assert ctrl.next() == (Mode.SPEC, 3)
+
+
+def test_verify_cost_uses_measured_points_then_interpolates() -> None:
+    costs = Costs(target_step_ms=100, draft_step_ms=40, verify_slope=0.25, verify_at={1: 1.1, 4: 2.0})
+    assert costs.verify_ratio(1) == 1.1 and costs.verify_ratio(4) == 2.0
+    assert costs.verify_ratio(2) == pytest.approx(1.1 + 0.9 / 3)
+    assert costs.verify_ratio(6) == pytest.approx(2.0 + 2 * 0.25)  # past the last point: the slope
+    assert Costs(verify_slope=0.1).verify_ratio(3) == pytest.approx(1.3)  # nothing measured
+
+
+def test_first_round_k_comes_from_the_measured_costs() -> None:
+    """A CPU pair (c=0.4, verifying 5 tokens costs 2 steps) starts at K=1, a cheap draft higher."""
+    cpu = Controller(DecodeConfig(), Costs(100, 40, 0.25, {1: 1.1, 4: 2.0}))
+    assert cpu.next() == (Mode.SPEC, 1)
+    cheap = Controller(DecodeConfig(k_max=8), Costs(100, 5, 0.02))
+    assert cheap.next()[1] >= 3
+    assert Controller(DecodeConfig()).k == 4  # no costs measured yet: the default
+    assert Controller(DecodeConfig(k=3), Costs(100, 40, 0.25, {1: 1.1})).k == 3  # forced
+
+
+def test_rounds_measure_the_verify_cost_at_their_k() -> None:
+    ctrl = Controller(DecodeConfig(k=2), Costs(100, 40, 0.25, {1: 1.1, 4: 2.0}))
+    ctrl.observe_round(2, 2, 80, 130)
+    assert ctrl.costs.verify_at[2] == pytest.approx(1.3)

@@ -196,3 +196,15 @@ def test_draft_catch_up_is_not_timed_as_drafting(target: torch.nn.Module) -> Non
     drafter.propose = recording_propose  # type: ignore[method-assign]
     speculative_round(runner, drafter, seq, 3, DecodeConfig(), None)
     assert calls == [("catch_up", len(seq) - 1), ("propose", len(seq) - 1)]
+
+
+def test_a_rounds_own_pending_tokens_go_into_the_drafts_first_pass(target: torch.nn.Module) -> None:
+    """After a round the draft lacks its last draft and the bonus token: those two are fed in
+    propose's first pass (one pass of 2 tokens), not by catch_up as a separate pass."""
+    drafter = ModelDrafter(ModelRunner(tiny_llama(seed=3, layers=2), torch.device("cpu")))
+    seq = list(range(3, 20))
+    drafter.runner.prefill(seq)
+    drafter.catch_up(seq + [5, 6])  # two pending tokens: left to propose
+    assert drafter.runner.cached == len(seq) - 1
+    drafter.catch_up(seq + [5, 6, 7])  # a longer stretch: fed now, all but the last
+    assert drafter.runner.cached == len(seq) + 2
