@@ -203,8 +203,8 @@ def test_a_rounds_own_pending_tokens_go_into_the_drafts_first_pass(target: torch
     propose's first pass (one pass of 2 tokens), not by catch_up as a separate pass."""
     drafter = ModelDrafter(ModelRunner(tiny_llama(seed=3, layers=2), torch.device("cpu")))
     seq = list(range(3, 20))
-    drafter.runner.prefill(seq)
+    drafter.runner.forward(seq)  # as propose leaves it: all of seq cached
     drafter.catch_up(seq + [5, 6])  # two pending tokens: left to propose
-    assert drafter.runner.cached == len(seq) - 1
+    assert drafter.runner.cached == len(seq)
     drafter.catch_up(seq + [5, 6, 7])  # a longer stretch: fed now, all but the last
     assert drafter.runner.cached == len(seq) + 2
