@@ -31,6 +31,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -169,16 +170,19 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
       const uint16_t* dw = D + g * nb * 8;
       const uint16_t* mw = MN + g * nb * 8;
       const int64_t n0 = g * ROWS, nv = std::min<int64_t>(ROWS, N - n0);
-      int64_t m = 0;  // up to 4 activation rows share each unpacked load of weights
-      for (; m + 4 <= M; m += 4)
-        group_rows<4>(w, dw, mw, nb, QA + m * K, DS + m * nb, SS + m * nb, K, Y + m * N, N, n0, nv);
-      const int64_t rest = M - m;
-      if (rest == 3)
-        group_rows<3>(w, dw, mw, nb, QA + m * K, DS + m * nb, SS + m * nb, K, Y + m * N, N, n0, nv);
-      else if (rest == 2)
-        group_rows<2>(w, dw, mw, nb, QA + m * K, DS + m * nb, SS + m * nb, K, Y + m * N, N, n0, nv);
-      else if (rest == 1)
-        group_rows<1>(w, dw, mw, nb, QA + m * K, DS + m * nb, SS + m * nb, K, Y + m * N, N, n0, nv);
+      // Activation rows m.. in steps of MC, which share each unpacked load of weights.
+      auto rows = [&](auto mc, int64_t m) {
+        group_rows<decltype(mc)::value>(w, dw, mw, nb, QA + m * K, DS + m * nb, SS + m * nb, K,
+                                         Y + m * N, N, n0, nv);
+      };
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) rows(std::integral_constant<int, 4>{}, m);
+      switch (M - m) {
+        case 3: rows(std::integral_constant<int, 3>{}, m); break;
+        case 2: rows(std::integral_constant<int, 2>{}, m); break;
+        case 1: rows(std::integral_constant<int, 1>{}, m); break;
+        default: break;
+      }
     }
   });
   return y;
