@@ -18,18 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .config import DecodeConfig, Mode
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """E(K): tokens per round with per-token acceptance alpha."""
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
-def expected_speedup(alpha: float, k: int, c: float, verify_ratio: float = 1.0) -> float:
-    """S(K) = E(K) / (K·c + v): speedup over plain decoding."""
-    return expected_tokens(alpha, k) / (k * c + verify_ratio)
+from .metrics import expected_speedup
 
 
 @dataclass(slots=True)

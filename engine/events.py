@@ -71,6 +71,9 @@ class RoundEvent:
     fallback_reason: str | None = None  # set when the controller changed mode or K
     next_mode: Mode | None = None  # the mode the controller chose for the next round
     next_k: int | None = None
+    # One plain target step as the controller measures it (speculative modes): the
+    # unit in which the draft cost c and the verify cost v are stated.
+    target_step_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,8 +19,15 @@ Definitions (speculative decoding as in Leviathan et al. 2023, Chen et al. 2023)
 - per-token latency: the wall-clock gap between a round's emission and the
   previous round's, divided by the tokens the round emitted (the first round
   of a reply counts its draft + verify time; prefill is time to first token);
-- cost ratio c = draft time per drafted token / target verify time per round;
-- expected speedup at alpha, K and c: (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)).
+- target step: one plain target step as the engine's controller measures it
+  (`RoundEvent.target_step_ms`), the unit of the two costs below;
+- cost ratio c = draft time per drafted token / target step;
+- verify cost v = target verify time per speculative round / target step
+  (about 1 on a GPU; on a CPU a pass over K+1 tokens costs more than one step);
+- expected speedup at alpha, K, c and v: E(K) / (K c + v), with
+  E(K) = (1 - alpha^(K+1)) / (1 - alpha) tokens per round.
+  Without a target step (events from an engine that does not send it) the
+  verify pass stands in for it: v = 1 and c is taken against the verify time.
 """
 
 from __future__ import annotations
@@ -58,13 +65,22 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * frac
 
 
-def expected_speedup(alpha: float, k: int, c: float) -> float:
+def expected_tokens(alpha: float, k: int) -> float:
+    """E(K): tokens a round of k drafts emits on average at per-token acceptance `alpha`."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def expected_speedup(alpha: float, k: int, c: float, v: float = 1.0) -> float:
     """Expected walltime improvement of speculative decoding over plain decoding.
 
-    Leviathan et al. 2023, Theorem 3.8: with acceptance rate `alpha`, `k`
-    drafted tokens per round and cost ratio `c` (one draft step over one
-    target step), the speedup is (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)).
-    At alpha = 1 the limit (k + 1) / (k c + 1) is returned.
+    Leviathan et al. 2023, Theorem 3.8, with the verify pass priced: with
+    acceptance rate `alpha`, `k` drafted tokens per round, cost ratio `c` (one
+    draft step over one target step) and `v` the cost of verifying k+1 tokens
+    in one pass (in target steps), the speedup is E(k) / (k c + v). At v = 1
+    this is the paper's (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)); at
+    alpha = 1, (k + 1) / (k c + v).
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
@@ -72,8 +88,9 @@ def expected_speedup(alpha: float, k: int, c: float) -> float:
         raise ValueError(f"k must be >= 0, got {k}")
     if c < 0:
         raise ValueError(f"c must be >= 0, got {c}")
-    tokens_per_round = (k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-    return tokens_per_round / (k * c + 1.0)
+    if v <= 0:
+        raise ValueError(f"v must be > 0, got {v}")
+    return expected_tokens(alpha, k) / (k * c + v)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +140,7 @@ class DecodeMetrics:
         self._accepted_lengths: Counter[int] = Counter()
         # controller
         self.last_round: RoundEvent | None = None
+        self.target_step_ms: float | None = None  # the controller's, from RoundEvent
         self.fallbacks: list[tuple[int, str]] = []
         # latency
         self.token_latencies_ms: deque[float] = deque(maxlen=self.window)
@@ -207,6 +225,8 @@ class DecodeMetrics:
         n = len(tokens)
         self.rounds += 1
         self.last_round = ev
+        if ev.target_step_ms:
+            self.target_step_ms = ev.target_step_ms
         if ev.fallback_reason:
             self.fallbacks.append((ev.round, ev.fallback_reason))
         if ev.k > 0:
@@ -322,24 +342,44 @@ class DecodeMetrics:
         total = draft + sum(r.verify_ms for r in self.round_timings)
         return draft / total if total > 0 else None
 
-    @property
-    def cost_ratio(self) -> float | None:
-        """c: draft time per drafted token over target time per verify pass."""
+    def _spec_means(self) -> tuple[float, float] | None:
+        """(draft ms per drafted token, verify ms per round) over the recent speculative rounds."""
         spec = self._spec_timings()
         drafted = sum(r.k for r in spec)
         verify = sum(r.verify_ms for r in spec)
         if not spec or drafted == 0 or verify <= 0:
             return None
-        return (sum(r.draft_ms for r in spec) / drafted) / (verify / len(spec))
+        return sum(r.draft_ms for r in spec) / drafted, verify / len(spec)
+
+    def _unit_ms(self, verify_ms: float) -> float:
+        """What costs are measured in: the target step, else the verify pass."""
+        return self.target_step_ms or verify_ms
+
+    @property
+    def cost_ratio(self) -> float | None:
+        """c: draft time per drafted token over one target step (module docstring)."""
+        means = self._spec_means()
+        if means is None:
+            return None
+        draft, verify = means
+        return draft / self._unit_ms(verify)
+
+    @property
+    def verify_ratio(self) -> float | None:
+        """v: target time per verify pass over one target step; None without a step."""
+        means = self._spec_means()
+        if means is None or not self.target_step_ms:
+            return None
+        return means[1] / self.target_step_ms
 
     def expected_speedup(self, k: int | None = None) -> float | None:
-        """Speedup predicted at the measured alpha and c, for `k` (default: the current K)."""
+        """Speedup predicted at the measured alpha, c and v, for `k` (default: the current K)."""
         alpha = self.acceptance_rate
         c = self.cost_ratio
         k = self.current_k if k is None else k
         if alpha is None or c is None or not k:
             return None
-        return expected_speedup(alpha, k, c)
+        return expected_speedup(alpha, k, c, self.verify_ratio or 1.0)
 
     # -- early exit ------------------------------------------------------
 
@@ -391,6 +431,7 @@ class DecodeMetrics:
             "mean_verify_ms": self.mean_verify_ms,
             "draft_share": self.draft_share,
             "cost_ratio": self.cost_ratio,
+            "verify_ratio": self.verify_ratio,
             "expected_speedup": self.expected_speedup(),
             "exit_rate": self.exit_rate,
             "exit_layer_histogram": self.exit_layer_histogram(),

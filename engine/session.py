@@ -537,6 +537,9 @@ class ChatSession:
                     else run_mode
                 ),
                 next_k=controller.k if run_mode in SPECULATIVE_MODES else None,
+                target_step_ms=(
+                    controller.costs.target_step_ms if run_mode in SPECULATIVE_MODES else None
+                ),
             )
             if finished:
                 break

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from specchat.engine.config import DecodeConfig, Mode
-from specchat.engine.controller import Controller, Costs, expected_speedup, expected_tokens
+from specchat.engine.controller import Controller, Costs
+from specchat.engine.metrics import expected_speedup, expected_tokens
 
 
 def test_expected_tokens() -> None:

@@ -56,6 +56,7 @@ def test_expected_speedup_formula_and_limits() -> None:
     assert expected_speedup(0.0, 4, 0.1) == pytest.approx(1 / 1.4)  # every draft refused
     assert expected_speedup(1.0, 4, 0.1) == pytest.approx(5 / 1.4)  # the alpha -> 1 limit
     assert expected_speedup(0.999999, 4, 0.1) == pytest.approx(5 / 1.4, rel=1e-4)
+    assert expected_speedup(0.8, 4, 0.1, v=2.0) == pytest.approx(0.67232 / 0.2 / 2.4)
     with pytest.raises(ValueError):
         expected_speedup(1.5, 4, 0.1)
 
@@ -107,6 +108,21 @@ def test_latency_ttft_and_tokens_per_s() -> None:
     assert m.draft_share == pytest.approx(18 / 58)  # draft 10 + 8, verify 20 + 20
     # c: draft per drafted token (18 / 4) over verify per round (40 / 2)
     assert m.cost_ratio == pytest.approx((18 / 4) / 20)
+
+
+def test_costs_are_in_target_steps_when_the_engine_sends_the_step() -> None:
+    """A CPU-like pair: verify 2 tokens in 24 ms where a plain step takes 20; draft 8 ms."""
+    m = DecodeMetrics()
+    for rnd, accepted in enumerate((1, 1, 0, 1)):
+        m.observe(RoundEvent(rnd, Mode.SPEC, 1, accepted, 8.0, 24.0, target_step_ms=20.0))
+    assert m.cost_ratio == pytest.approx(8 / 20)
+    assert m.verify_ratio == pytest.approx(24 / 20)
+    # alpha 3/4 at K=1: E = 1.75 tokens for 0.4 + 1.2 steps, not the v=1 formula's 1.25x
+    assert m.expected_speedup() == pytest.approx(1.75 / 1.6)
+    assert m.expected_speedup() == pytest.approx(expected_speedup(0.75, 1, 0.4, 1.2))
+    without = DecodeMetrics()  # an engine that does not send the step: the verify pass is the unit
+    without.observe(RoundEvent(0, Mode.SPEC, 1, 1, 8.0, 24.0))
+    assert without.verify_ratio is None and without.cost_ratio == pytest.approx(8 / 24)
 
 
 def test_turn_finished_is_authoritative() -> None:

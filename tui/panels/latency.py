@@ -47,15 +47,17 @@ class _LatencyText(Widget):
         alpha = m.acceptance_rate
         k = m.current_k
         rows.append(("cost ratio c", "n/a" if c is None else f"{c:.3f}"))
+        v = m.verify_ratio
+        if v is not None:
+            rows.append(("verify cost v", f"{v:.2f} steps"))
         speedup = m.expected_speedup()
         if speedup is None:
             rows.append(("expected", "n/a (needs speculative rounds)"))
         else:
-            rows.append(("expected", f"{speedup:.2f}× at α {alpha:.2f}, K {k}, c {c:.2f}"))
-        return Group(
-            key_values(rows),
-            Text("speedup = (1−α^(K+1)) / ((1−α)(K·c+1))", style="italic"),
-        )
+            at = f"α {alpha:.2f}, K {k}, c {c:.2f}" + (f", v {v:.2f}" if v is not None else "")
+            rows.append(("expected", f"{speedup:.2f}× at {at}"))
+        formula = "(1−α^(K+1)) / ((1−α)(K·c+v))" if v is not None else "(1−α^(K+1)) / ((1−α)(K·c+1))"
+        return Group(key_values(rows), Text(f"speedup = {formula}", style="italic"))
 
 
 class LatencyPanel(Panel):
