@@ -9,8 +9,14 @@ speedup is S(K) = E(K) / (K·c + v(K)); with v = 1 this is the paper's
 (1 - α^(K+1)) / ((1 - α)(K·c + 1)).
 
 The controller picks the K that maximises S within [k_min, k_max], drops to
-plain decoding when the best S is below 1, and probes speculation again after
-a number of plain tokens, since acceptance changes with the text.
+plain decoding when the best S is clearly below 1, and probes speculation
+again after a number of plain tokens, since acceptance changes with the text.
+
+Acceptance is estimated per draft token tried, not per round, so the estimate
+remembers as much text at K=1 as at K=8; a fallback needs S below 0.95, not 1,
+because coming back costs the draft a catch-up pass over the plain stretch;
+and a probe that fails doubles the wait for the next one. Tuned on greedy
+acceptance traces of the default pair (docs/performance.md, step 15).
 """
 
 from __future__ import annotations
@@ -56,19 +62,26 @@ def _ema(old: float | None, new: float, w: float = 0.3) -> float:
 class Controller:
     """Chooses (mode, K) for each round of a speculative reply."""
 
-    PROBE_AFTER = 24  # plain tokens before speculation is tried again
-    DECAY = 0.85  # weight of the past in the acceptance estimate
+    PROBE_AFTER = 24  # plain tokens before speculation is tried again...
+    PROBE_AFTER_MAX = 96  # ...doubling after each probe that falls back, up to this
+    MEMORY = 0.9  # weight of the past per draft token tried: ~the last 10 count
+    FALLBACK_BELOW = 0.95  # the expected speedup under which plain decoding takes over
+    PROBE_TRIALS = 2.0  # evidence kept when probing, so the probe's own rounds decide
     HYSTERESIS = 0.05  # change K only for a 5% better expected speedup
 
     def __init__(self, cfg: DecodeConfig, costs: Costs | None = None, alpha0: float = 0.7) -> None:
         self.cfg = cfg
         self.costs = costs or Costs()
-        # Acceptance as decayed counts of accepted drafts and of trials.
-        self._acc = alpha0 * 4
-        self._trials = 4.0
+        # Acceptance as decayed counts of accepted drafts and of trials; the prior
+        # weighs as much as a full memory of trials.
+        self._alpha0 = alpha0
+        self._trials = 1.0 / (1.0 - self.MEMORY)
+        self._acc = alpha0 * self._trials
         self.k = cfg.k if cfg.k is not None else min(max(4, cfg.k_min), cfg.k_max)
         self.mode = Mode.SPEC
         self._plain_since_probe = 0
+        self._probe_after = self.PROBE_AFTER
+        self._probing = False
         self._pending_reason: str | None = None
         if self.adaptive and self.costs.ratio() is not None:
             # The first round already uses the measured costs (and the prior α):
@@ -88,12 +101,15 @@ class Controller:
         if not self.adaptive:
             return Mode.SPEC, self.k
         if self.mode is Mode.PLAIN:
-            if self._plain_since_probe >= self.PROBE_AFTER:
-                self._plain_since_probe = 0
+            if self._plain_since_probe >= self._probe_after:
                 self._pending_reason = (
-                    f"probe: speculating again after {self.PROBE_AFTER} plain tokens "
+                    f"probe: speculating again after {self._plain_since_probe} plain tokens "
                     f"to re-measure acceptance (K={self.k})"
                 )
+                self._plain_since_probe = 0
+                self._probing = True
+                self._trials = self.PROBE_TRIALS
+                self._acc = self._alpha0 * self._trials
                 return Mode.SPEC, self.k
             return Mode.PLAIN, 0
         return Mode.SPEC, self.k
@@ -108,9 +124,10 @@ class Controller:
 
     def observe_round(self, k: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
         """Update α and the costs from one speculative round, then re-plan."""
-        trials = accepted + (1 if accepted < k else 0)
-        self._acc = self.DECAY * self._acc + accepted
-        self._trials = self.DECAY * self._trials + trials
+        # The round's draft tokens in order: the accepted ones, then the rejected one.
+        for hit in [1.0] * accepted + [0.0] * (accepted < k):
+            self._acc = self.MEMORY * self._acc + hit
+            self._trials = self.MEMORY * self._trials + 1.0
         if k > 0:
             self.costs.draft_step_ms = _ema(self.costs.draft_step_ms, draft_ms / k)
         step = self.costs.target_step_ms
@@ -142,15 +159,19 @@ class Controller:
             return
         k, s = self.best()
         facts = f"α={self.alpha:.2f}, c={c:.2f}, v({k})={self.costs.verify_ratio(k):.2f}"
-        if s < 1.0:
+        probed, self._probing = self._probing, False
+        if s < self.FALLBACK_BELOW:
+            if probed:
+                self._probe_after = min(self.PROBE_AFTER_MAX, 2 * self._probe_after)
             self.mode = Mode.PLAIN
             self._plain_since_probe = 0
             self._pending_reason = (
-                f"fallback to plain: best expected speedup {s:.2f}x < 1 at K={k} ({facts}); "
-                f"probing again in {self.PROBE_AFTER} tokens"
+                f"fallback to plain: best expected speedup {s:.2f}x < {self.FALLBACK_BELOW} "
+                f"at K={k} ({facts}); probing again in {self._probe_after} tokens"
             )
             self.k = k
             return
+        self._probe_after = self.PROBE_AFTER
         if self.mode is Mode.PLAIN:
             self.mode = Mode.SPEC
             self._pending_reason = f"speculation pays again: {s:.2f}x expected at K={k} ({facts})"

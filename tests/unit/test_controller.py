@@ -44,7 +44,7 @@ def test_expensive_draft_low_acceptance_falls_back_with_a_reason() -> None:
     reasons = []
     while (r := ctrl.take_reason()) is not None:
         reasons.append(r)
-    assert reasons and "fallback to plain" in reasons[-1] and "x < 1" in reasons[-1]
+    assert reasons and "fallback to plain" in reasons[-1] and "x < 0.95" in reasons[-1]
 
 
 def test_probe_after_plain_tokens() -> None:
@@ -88,3 +88,43 @@ def test_rounds_measure_the_verify_cost_at_their_k() -> None:
     ctrl = Controller(DecodeConfig(k=2), Costs(100, 40, 0.25, {1: 1.1, 4: 2.0}))
     ctrl.observe_round(2, 2, 80, 130)
     assert ctrl.costs.verify_at[2] == pytest.approx(1.3)
+
+
+def test_acceptance_forgets_per_draft_token_not_per_round() -> None:
+    """Ten accepted drafts move the estimate as far in ten K=1 rounds as in two K=5 rounds."""
+    costs = {1: 1.1, 5: 2.2}
+    small = Controller(DecodeConfig(k=1), Costs(100, 40, 0.25, dict(costs)), alpha0=0.5)
+    big = Controller(DecodeConfig(k=5), Costs(100, 40, 0.25, dict(costs)), alpha0=0.5)
+    feed(small, 1, 1, 10, 40, 110)
+    feed(big, 5, 5, 2, 40, 220)
+    assert small.alpha == pytest.approx(big.alpha)
+    assert small.alpha == pytest.approx(1 - 0.5 * Controller.MEMORY**10)
+
+
+def probe(ctrl: Controller, accepted: int) -> str:
+    """Run plain tokens until the controller probes, then one K=1 round; return its reasons."""
+    steps = 0
+    while ctrl.next()[0] is Mode.PLAIN:
+        ctrl.observe_plain(100)
+        steps += 1
+        assert steps <= Controller.PROBE_AFTER_MAX
+    reasons = [ctrl.take_reason() or ""]
+    ctrl.observe_round(1, accepted, 40, 122)
+    reasons.append(ctrl.take_reason() or "")
+    return " | ".join(reasons) + f" | after {steps}"
+
+
+def test_a_failed_probe_doubles_the_wait_and_a_good_one_resets_it() -> None:
+    ctrl = Controller(DecodeConfig(k_max=1), Costs(100, 40, 0.25, {1: 1.22}))
+    feed(ctrl, 1, 0, 10, 40, 122)  # nothing accepted: plain
+    assert ctrl.mode is Mode.PLAIN
+    assert "probing again in 24 tokens" in (ctrl.take_reason() or "")
+    first = probe(ctrl, 0)
+    assert "after 24" in first and "probing again in 48 tokens" in first
+    second = probe(ctrl, 0)
+    assert "after 48" in second and "probing again in 96 tokens" in second
+    assert "probing again in 96 tokens" in probe(ctrl, 0)  # capped
+    resumed = probe(ctrl, 1)
+    assert "speculation pays again" in resumed and ctrl.mode is Mode.SPEC
+    feed(ctrl, 1, 0, 10, 40, 122)
+    assert "probing again in 24 tokens" in (ctrl.take_reason() or "")
