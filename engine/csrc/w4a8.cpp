@@ -30,7 +30,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 
 namespace {
@@ -188,9 +190,58 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return y;
 }
 
+// The packing of engine/quant.py's pack_w4a8 (the reference, which tests compare
+// against byte for byte), in one pass over the weights and in parallel over row groups:
+// per row and group of 32, min = the least value in float16, scale = (max - min) / 15 in
+// float16 (at least 2^-24), code = round-half-even((w - min) / scale) in 0..15. Rows
+// past N (the last group's padding) get zero codes, scales and minimums.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> w4a8_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              "weight: contiguous float32 [N, K]");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(K % QK == 0, "in_features must be a multiple of 32");
+  const int64_t nb = K / QK, groups = (N + ROWS - 1) / ROWS;
+  auto packed = at::zeros({groups, nb, BLOCK_BYTES}, weight.options().dtype(at::kByte));
+  auto scales = at::zeros({groups, nb, ROWS}, weight.options().dtype(at::kHalf));
+  auto mins = at::zeros({groups, nb, ROWS}, weight.options().dtype(at::kHalf));
+  const float* W = weight.data_ptr<float>();
+  uint8_t* P = packed.data_ptr<uint8_t>();
+  at::Half* S = scales.data_ptr<at::Half>();
+  at::Half* MN = mins.data_ptr<at::Half>();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t r = 0; r < ROWS && g * ROWS + r < N; ++r) {
+        const float* row = W + (g * ROWS + r) * K;
+        for (int64_t b = 0; b < nb; ++b) {
+          const float* w = row + b * QK;
+          float lo = w[0], hi = w[0];
+          for (int i = 1; i < QK; ++i) {
+            lo = std::min(lo, w[i]);
+            hi = std::max(hi, w[i]);
+          }
+          const at::Half mh(lo);
+          const float m = static_cast<float>(mh);
+          const at::Half dh(std::max((hi - m) / 15.0f, 5.9604644775390625e-8f));  // 2^-24
+          const float d = static_cast<float>(dh);
+          S[(g * nb + b) * ROWS + r] = dh;
+          MN[(g * nb + b) * ROWS + r] = mh;
+          uint8_t code[QK];
+          for (int i = 0; i < QK; ++i)
+            code[i] = static_cast<uint8_t>(std::min(15.0f, std::max(0.0f, std::nearbyint((w[i] - m) / d))));
+          uint8_t* out = P + (g * nb + b) * BLOCK_BYTES + 4 * r;
+          for (int i = 0; i < 4; ++i)  // load i, this row's bytes j
+            for (int j = 0; j < 4; ++j)
+              out[32 * i + j] = code[4 * i + j] | static_cast<uint8_t>(code[16 + 4 * i + j] << 4);
+        }
+      }
+  });
+  return {packed, scales, mins};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(specchat, m) {
   m.def("w4a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, int N) -> Tensor",
         &w4a8_linear);
+  m.def("w4a8_pack(Tensor weight) -> (Tensor, Tensor, Tensor)", &w4a8_pack);
 }

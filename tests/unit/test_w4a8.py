@@ -69,6 +69,47 @@ def test_kernel_equals_the_reference_arithmetic(m: int, n: int, blocks: int, see
     assert err < 1e-5, f"M={m} N={n} K={k}: max error {err:.2e} of the largest output"
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 37),
+    blocks=st.integers(1, 9),
+    seed=st.integers(0, 2**16),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_the_native_packer_equals_the_reference_byte_for_byte(
+    n: int, blocks: int, seed: int, dtype: torch.dtype
+) -> None:
+    """Codes, scales and minimums, padding rows included; odd groups too (constant, huge, tiny)."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, 32 * blocks, generator=gen) * torch.rand(n, 1, generator=gen)
+    weight[0, :32] = 0.25  # a constant group: its scale is float16's least, not 0
+    weight[-1, -32:] *= 1e4  # large values: the float16 scale rounds
+    if n > 2:
+        weight[1] *= 1e-6  # tiny values: subnormal float16 scales
+    weight = weight.to(dtype)
+    got = quant.pack_w4a8(weight)
+    want = quant.pack_w4a8_reference(weight)
+    for name, g, w in zip(("packed", "scales", "mins"), got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), name
+
+
+def test_a_group_packed_member_by_member_equals_the_packed_stack() -> None:
+    """What the shared-input group's shortcut builds is the float stack's packing, byte for byte."""
+    torch.manual_seed(5)
+    members = [nn.Linear(64, n, bias=False) for n in (48, 16, 21)]  # the last ends mid-group
+    fast = quant.W4A8Linear.stacked(members)
+    assert fast is not None and fast.out_features == 85
+    stack = nn.Linear(64, 85, bias=False)
+    with torch.no_grad():
+        stack.weight.copy_(torch.cat([m.weight for m in members]))
+    slow = quant.W4A8Linear(stack)
+    for name in ("packed", "scales", "mins"):
+        assert torch.equal(getattr(fast, name).view(torch.uint8), getattr(slow, name).view(torch.uint8))
+    # a member ending inside a group of 8 rows: no shortcut, the float stack is packed
+    assert quant.W4A8Linear.stacked([nn.Linear(64, 20), nn.Linear(64, 16)]) is None
+
+
 def test_codes_use_the_full_grid_and_reconstruct_the_extremes() -> None:
     weight = torch.randn(8, 128)
     codes, scales, mins = quant.quantize_w4a8(weight)
