@@ -180,24 +180,32 @@ class ChatSession:
         seq = [int(i) % 64 + 3 for i in range(24)]
         draft_runner = ModelRunner(self.draft.model, self.draft.device)
 
-        def timed(runner: ModelRunner, n_new: int) -> float:
+        def timer(runner: ModelRunner) -> Callable[[int], float]:
+            """Median ms of passes over n new tokens after seq[:-1], prefilled once."""
             runner.reset()
             runner.prefill(seq)  # caches seq[:-1]
-            start = time.perf_counter()
-            runner.feed(seq[-1:] * n_new, keep=n_new)
-            if runner.device.type == "cuda":
-                torch.cuda.synchronize(runner.device)
-            return (time.perf_counter() - start) * 1e3
+            base = runner.cached
 
-        def median(runner: ModelRunner, n_new: int) -> float:
-            timed(runner, n_new)  # warm-up
-            values = sorted(timed(runner, n_new) for _ in range(repeats))
-            return values[len(values) // 2]
+            def timed(n_new: int) -> float:
+                runner.crop_to(base)
+                start = time.perf_counter()
+                runner.feed(seq[-1:] * n_new, keep=n_new)
+                if runner.device.type == "cuda":
+                    torch.cuda.synchronize(runner.device)
+                return (time.perf_counter() - start) * 1e3
 
-        step = median(self.target_runner, 1)
-        verify = median(self.target_runner, k + 1)
-        verify_one = median(self.target_runner, 2)  # K=1: on a CPU often the best K
-        draft_step = median(draft_runner, 1)
+            def median(n_new: int) -> float:
+                timed(n_new)  # warm-up
+                values = sorted(timed(n_new) for _ in range(repeats))
+                return values[len(values) // 2]
+
+            return median
+
+        target = timer(self.target_runner)
+        step = target(1)
+        verify = target(k + 1)
+        verify_one = target(2)  # K=1: on a CPU often the best K
+        draft_step = timer(draft_runner)(1)
         self.target_runner.reset()
         self.tokens = []
         self.costs = Costs(

@@ -224,3 +224,19 @@ def test_a_cpu_target_without_the_native_decoder_says_why(
     monkeypatch.setenv("SPECCHAT_NATIVE_DECODER", "0")
     notes = make(target).ready.notes
     assert any("not natively: turned off by SPECCHAT_NATIVE_DECODER=0" in n for n in notes)
+
+
+def test_measured_costs_leave_the_session_as_new(target: torch.nn.Module) -> None:
+    """measure_costs times passes on scratch tokens; the first turn is then exactly as without."""
+    plain = make(target)
+    measured = make(target)
+    costs = measured.measure_costs(k=3, repeats=1)
+    assert costs.target_step_ms and costs.target_step_ms > 0
+    assert costs.draft_step_ms and costs.draft_step_ms > 0
+    assert set(costs.verify_at) == {1, 3} and all(v > 0 for v in costs.verify_at.values())
+    assert measured.tokens == [] and measured.target_runner.cached == 0
+    assert any("verify K=3" in n for n in measured.ready.notes)
+    cfg = DecodeConfig(max_new_tokens=10, k=2)
+    assert tokens_of(list(measured.stream("hello", cfg))) == tokens_of(
+        list(plain.stream("hello", cfg))
+    )
