@@ -66,7 +66,7 @@ class Controller:
     PROBE_AFTER_MAX = 96  # ...doubling after each probe that falls back, up to this
     MEMORY = 0.9  # weight of the past per draft token tried: ~the last 10 count
     FALLBACK_BELOW = 0.95  # the expected speedup under which plain decoding takes over
-    PROBE_TRIALS = 2.0  # evidence kept when probing, so the probe's own rounds decide
+    PROBE_TRIALS = 2.0  # a probe restarts from the prior α worth 2 trials: its rounds decide
     HYSTERESIS = 0.05  # change K only for a 5% better expected speedup
 
     def __init__(self, cfg: DecodeConfig, costs: Costs | None = None, alpha0: float = 0.7) -> None:

@@ -351,18 +351,14 @@ class DecodeMetrics:
             return None
         return sum(r.draft_ms for r in spec) / drafted, verify / len(spec)
 
-    def _unit_ms(self, verify_ms: float) -> float:
-        """What costs are measured in: the target step, else the verify pass."""
-        return self.target_step_ms or verify_ms
-
     @property
     def cost_ratio(self) -> float | None:
-        """c: draft time per drafted token over one target step (module docstring)."""
+        """c: draft time per drafted token over one target step, else over a verify pass."""
         means = self._spec_means()
         if means is None:
             return None
         draft, verify = means
-        return draft / self._unit_ms(verify)
+        return draft / (self.target_step_ms or verify)
 
     @property
     def verify_ratio(self) -> float | None:
