@@ -542,6 +542,10 @@ def figures(records: Sequence[RunRecord]) -> dict[str, Any]:
     rss = [r.rss_bytes for r in ok if r.rss_bytes is not None]
     cuda = [r.cuda_peak_bytes for r in ok if r.cuda_peak_bytes is not None]
     tps_spread = spread(tps)
+    costs = [c for r in ok for c in r.spec_costs]
+    step = median(r.target_step_ms for r in ok if r.target_step_ms)
+    per_draft = sum(d for d, _ in costs) / drafted if costs and drafted else None
+    per_verify = sum(v for _, v in costs) / len(costs) if costs else None
     return {
         "runs": len(ok),
         "tokens": tokens,
@@ -561,6 +565,9 @@ def figures(records: Sequence[RunRecord]) -> dict[str, Any]:
         "mean_accepted_length": (accepted + len(rounds)) / len(rounds) if rounds else None,
         "acceptance_by_position": acceptance_by_position(rounds),
         "tokens_per_target_pass": sum(chunks) / len(chunks) if chunks else None,
+        # as paid in flight, in plain target steps: c per drafted token, v per verify pass
+        "cost_ratio_c": ratio(per_draft, step),
+        "verify_ratio_v": ratio(per_verify, step),
         "exit_rate": sum(r.early_exits for r in ok) / tokens
         if tokens and (layers or exit_layers)
         else None,

@@ -291,6 +291,10 @@ class RunRecord:
     latencies_ms: list[float] = field(default_factory=list)  # per token, after the first emission
     chunks: list[int] = field(default_factory=list)  # tokens per emission (round or streamer put)
     rounds: list[tuple[int, int]] = field(default_factory=list)  # (k, accepted) speculative rounds
+    # (draft ms, verify ms) of each speculative round, and the controller's plain
+    # target step: the costs c and v as the reply paid them (not as measured at load)
+    spec_costs: list[tuple[float, float]] = field(default_factory=list)
+    target_step_ms: float | None = None
     exit_layers: list[int] = field(default_factory=list)
     early_exits: int = 0
     mean_layers: float | None = None
@@ -410,6 +414,9 @@ def run_session_arm(
             round_tokens = 0
             if ev.k > 0:
                 rec.rounds.append((ev.k, ev.accepted))
+                rec.spec_costs.append((ev.draft_ms, ev.verify_ms))
+            if ev.target_step_ms:
+                rec.target_step_ms = ev.target_step_ms
         elif isinstance(ev, TurnStarted):
             rec.prompt_tokens = ev.prompt_tokens
         elif isinstance(ev, Notice):

@@ -244,7 +244,10 @@ def record(arm: str, block: int, tps: float, tokens: list[int], **kw: object) ->
 def test_summarize_pairs_ratios_within_blocks_and_reports_unavailable_modes() -> None:
     plain = [record("plain", b, tps, [1, 2, 3, 4]) for b, tps in enumerate([10.0, 20.0, 40.0])]
     spec = [
-        record("spec", b, tps, [1, 2, 3, 4], rounds=[(4, 3)])
+        record(
+            "spec", b, tps, [1, 2, 3, 4], rounds=[(4, 3)], spec_costs=[(40.0 + 8 * b, 120.0)],
+            target_step_ms=100.0,
+        )
         for b, tps in enumerate([15.0, 30.0, 60.0])
     ]
     spec[2].tokens = [1, 2, 3, 9]  # one reply differs from plain
@@ -272,6 +275,10 @@ def test_summarize_pairs_ratios_within_blocks_and_reports_unavailable_modes() ->
     assert s["spec"]["mean_accepted_length"] == 4.0
     assert s["spec"]["acceptance_by_position"] == [1.0, 1.0, 1.0, 0.0]
     assert s["spec"]["same_tokens_as_plain"] == {"equal": 2, "compared": 3}
+    # c and v as paid: draft ms per drafted token and verify ms per round, in target steps
+    assert s["spec"]["cost_ratio_c"] == pytest.approx((40 + 48 + 56) / 12 / 100)
+    assert s["spec"]["verify_ratio_v"] == pytest.approx(1.2)
+    assert s["plain"]["cost_ratio_c"] is None and s["plain"]["verify_ratio_v"] is None
     assert s["early-exit"]["status"] == "unavailable"
     assert s["early-exit"]["reason"] == "no module"
     assert s["early-exit"]["tokens_per_s"]["median"] is None

@@ -477,8 +477,8 @@ def print_result(data: dict[str, Any], console: Any) -> None:
     )  # fmt: skip
     decoding = _table(
         "decoding",
-        [first, "accept", "acc len", "tok/pass", "accept by position %", "exit",
-         "layers", "fallbacks"],
+        [first, "accept", "acc len", "tok/pass", "c", "v", "accept by position %",
+         "exit", "layers", "fallbacks"],
     )  # fmt: skip
     for arm in arms:
         f = summary[arm]
@@ -507,6 +507,8 @@ def print_result(data: dict[str, Any], console: Any) -> None:
             _num(f["acceptance_rate"], "{:.2f}"),
             _num(f["mean_accepted_length"], "{:.2f}"),
             _num(f["tokens_per_target_pass"], "{:.2f}"),
+            _num(f.get("cost_ratio_c"), "{:.2f}"),
+            _num(f.get("verify_ratio_v"), "{:.2f}"),
             " ".join(_num(v * 100 if v is not None else None, "{:.0f}") for v in by_pos[:8]) or "-",
             _num(f["exit_rate"], "{:.2f}"),
             _num(f["mean_layers"], "{:.1f}"),
