@@ -190,8 +190,8 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return y;
 }
 
-// The packing of engine/quant.py's pack_w4a8 (the reference, which tests compare
-// against byte for byte), in one pass over the weights and in parallel over row groups:
+// engine/quant.py's pack_w4a8_reference (what the tests compare it with, byte for
+// byte), in one pass over the weights and in parallel over row groups:
 // per row and group of 32, min = the least value in float16, scale = (max - min) / 15 in
 // float16 (at least 2^-24), code = round-half-even((w - min) / scale) in 0..15. Rows
 // past N (the last group's padding) get zero codes, scales and minimums.
