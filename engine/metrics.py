@@ -360,13 +360,23 @@ class DecodeMetrics:
         draft, verify = means
         return draft / (self.target_step_ms or verify)
 
+    def verify_ratio_at(self, k: int | None) -> float | None:
+        """v at K=k: target ms per verify pass over one target step, from the recent rounds
+        that drafted k (all speculative rounds when none did); None without a step.
+
+        A pass over K+1 tokens costs more the larger K on a CPU, so one mean over
+        rounds at several K would misprice each of them.
+        """
+        spec = self._spec_timings()
+        if not spec or not self.target_step_ms:
+            return None
+        passes = [r.verify_ms for r in spec if r.k == k] or [r.verify_ms for r in spec]
+        return sum(passes) / len(passes) / self.target_step_ms
+
     @property
     def verify_ratio(self) -> float | None:
-        """v: target time per verify pass over one target step; None without a step."""
-        means = self._spec_means()
-        if means is None or not self.target_step_ms:
-            return None
-        return means[1] / self.target_step_ms
+        """v at the current K (`verify_ratio_at`)."""
+        return self.verify_ratio_at(self.current_k)
 
     def expected_speedup(self, k: int | None = None) -> float | None:
         """Speedup predicted at the measured alpha, c and v, for `k` (default: the current K)."""
@@ -375,7 +385,7 @@ class DecodeMetrics:
         k = self.current_k if k is None else k
         if alpha is None or c is None or not k:
             return None
-        return expected_speedup(alpha, k, c, self.verify_ratio or 1.0)
+        return expected_speedup(alpha, k, c, self.verify_ratio_at(k) or 1.0)
 
     # -- early exit ------------------------------------------------------
 

@@ -125,6 +125,21 @@ def test_costs_are_in_target_steps_when_the_engine_sends_the_step() -> None:
     assert without.verify_ratio is None and without.cost_ratio == pytest.approx(8 / 24)
 
 
+def test_the_verify_cost_is_taken_at_the_k_it_prices() -> None:
+    """Passes at K=1 cost 1.2 steps and at K=4 2.0: each K is priced with its own."""
+    m = DecodeMetrics()
+    m.observe(RoundEvent(0, Mode.SPEC, 1, 1, 8.0, 24.0, target_step_ms=20.0))
+    m.observe(RoundEvent(1, Mode.SPEC, 4, 4, 32.0, 40.0, target_step_ms=20.0))
+    assert m.current_k == 4
+    assert m.verify_ratio == pytest.approx(2.0)
+    assert m.verify_ratio_at(1) == pytest.approx(1.2)
+    assert m.verify_ratio_at(3) == pytest.approx(1.6)  # never ran: the mean of all passes
+    alpha, c = m.acceptance_rate, m.cost_ratio
+    assert alpha is not None and c is not None
+    assert m.expected_speedup(1) == pytest.approx(expected_speedup(alpha, 1, c, 1.2))
+    assert m.expected_speedup() == pytest.approx(expected_speedup(alpha, 4, c, 2.0))
+
+
 def test_turn_finished_is_authoritative() -> None:
     events = synthesize_turn("one two three four five six seven", seed=3)
     finished = events[-1]
