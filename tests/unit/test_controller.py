@@ -6,18 +6,6 @@ import pytest
 
 from specchat.engine.config import DecodeConfig, Mode
 from specchat.engine.controller import Controller, Costs
-from specchat.engine.metrics import expected_speedup, expected_tokens
-
-
-def test_expected_tokens() -> None:
-    assert expected_tokens(0.0, 4) == 1.0
-    assert expected_tokens(1.0, 4) == 5.0
-    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
-
-
-def test_expected_speedup_matches_the_paper_formula() -> None:
-    a, k, c = 0.8, 4, 0.1
-    assert expected_speedup(a, k, c) == pytest.approx((1 - a ** (k + 1)) / ((1 - a) * (k * c + 1)))
 
 
 def feed(

@@ -18,7 +18,7 @@ from specchat.engine.events import (
     TurnFinished,
     TurnStarted,
 )
-from specchat.engine.metrics import DecodeMetrics, expected_speedup, percentile
+from specchat.engine.metrics import DecodeMetrics, expected_speedup, expected_tokens, percentile
 from specchat.engine.replay import ReplaySession, synthesize_trace, synthesize_turn
 
 
@@ -48,6 +48,17 @@ def test_percentile_matches_numpy_linear() -> None:
     assert percentile([], 50) is None
     with pytest.raises(ValueError):
         percentile([1.0], 101)
+
+
+def test_expected_tokens() -> None:
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_expected_speedup_matches_the_paper_formula() -> None:
+    a, k, c = 0.8, 4, 0.1
+    assert expected_speedup(a, k, c) == pytest.approx((1 - a ** (k + 1)) / ((1 - a) * (k * c + 1)))
 
 
 def test_expected_speedup_formula_and_limits() -> None:
