@@ -30,8 +30,11 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .config import MAX_K
+
 NAME = "specchat_rowwise_sdpa"
 MAX_ROWWISE = 32  # longer blocks are prompts, not verify blocks
+assert MAX_K + 1 <= MAX_ROWWISE, "every verify block must score row by row"
 
 
 def rowwise_sdpa(

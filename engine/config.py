@@ -23,6 +23,11 @@ class Mode(StrEnum):
 
 SPECULATIVE_MODES = frozenset({Mode.SPEC, Mode.SELF_SPEC, Mode.LOOKUP})  # draft, then verify
 
+# The most draft tokens a round verifies. A verify block is the last token plus K
+# drafts, and a token scores exactly as it would alone only while the block takes
+# the row-wise attention path (engine/attention.py, MAX_ROWWISE = 32 rows).
+MAX_K = 31
+
 
 class QuantMode(StrEnum):
     """Weight quantization of one model."""
@@ -81,10 +86,12 @@ class DecodeConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.k is not None and self.k < 1:
-            raise ValueError(f"k must be >= 1, got {self.k}")
-        if not 1 <= self.k_min <= self.k_max:
-            raise ValueError(f"need 1 <= k_min <= k_max, got {self.k_min}, {self.k_max}")
+        if self.k is not None and not 1 <= self.k <= MAX_K:
+            raise ValueError(f"k must be in 1..{MAX_K}, got {self.k}")
+        if not 1 <= self.k_min <= self.k_max <= MAX_K:
+            raise ValueError(
+                f"need 1 <= k_min <= k_max <= {MAX_K}, got {self.k_min}, {self.k_max}"
+            )
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 

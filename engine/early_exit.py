@@ -45,7 +45,7 @@ from .events import Provenance
 from .kv_cache import new_cache
 from .runner import ModelRunner
 from .sampling import logits_to_probs, sample
-from .speculative import Emitted, RoundResult
+from .speculative import Emitted, Proposal, RoundResult, draft_chain
 
 if TYPE_CHECKING:
     from .loading import LoadedModel
@@ -442,13 +442,13 @@ class SelfSpecDrafter:
 
     def propose(
         self, seq: list[int], k: int, cfg: DecodeConfig, generator: torch.Generator | None
-    ) -> tuple[Tensor, Tensor]:
+    ) -> Proposal:
         with torch.inference_mode():
             return self._propose(seq, k, cfg, generator)
 
     def _propose(
         self, seq: list[int], k: int, cfg: DecodeConfig, generator: torch.Generator | None
-    ) -> tuple[Tensor, Tensor]:
+    ) -> Proposal:
         runner = self.shared
         if runner is not None:
             if runner.cached >= len(seq):
@@ -459,27 +459,20 @@ class SelfSpecDrafter:
                 self.rollback(len(seq) - 1)
             cache, base = self.cache, self.cached
         pending = torch.tensor(seq[base:], dtype=torch.long, device=self.device)
-        logits = self._layers(pending, cache, base)  # [V]
         past = base + int(pending.shape[0])
-        rows: list[Tensor] = []
-        ids: list[Tensor] = []
-        for i in range(k):
-            rows.append(logits)
-            if cfg.greedy:
-                tok = torch.argmax(logits, dim=-1)
-            else:
-                tok = sample(
-                    logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p), generator
-                )
-            ids.append(tok)
-            if i + 1 < k:
-                logits = self._layers(tok.view(1), cache, past)
-                past += 1
+
+        def step(tok: Tensor) -> Tensor:
+            nonlocal past
+            logits = self._layers(tok, cache, past)
+            past += 1
+            return logits
+
+        proposal = draft_chain(self._layers(pending, cache, base), step, k, cfg, generator)
         if runner is not None:
             crop_layers(cache, range(self.exit_layer), base)  # back to the runner's invariant
         else:
             self.cached = past
-        return torch.stack(ids), torch.stack(rows)  # [k], [k, V]
+        return proposal
 
     def _layers(self, ids: Tensor, cache: DynamicCache, past: int) -> Tensor:
         """Feed ids [S] through the first E layers; logits of the last position [V]."""

@@ -20,9 +20,9 @@ nothing matches, it proposes no tokens and the round is a plain step.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 from .config import DecodeConfig
+from .speculative import Proposal
 
 MAX_NGRAM = 3  # the longest suffix looked up first: the most specific context
 MIN_NGRAM = 2  # one-token matches are mostly frequent tokens: drafts that verification rejects
@@ -79,13 +79,10 @@ class LookupDrafter:
 
     def propose(
         self, seq: list[int], k: int, cfg: DecodeConfig, generator: torch.Generator | None
-    ) -> tuple[Tensor, Tensor]:
+    ) -> Proposal:
+        """The copied tokens as one-hot drafts: no [k, V] rows are built."""
         ids = self.match(seq, k)
-        drafts = torch.tensor(ids, dtype=torch.long, device=self.device)
-        logits = torch.full((len(ids), self.vocab), float("-inf"), device=self.device)
-        if ids:
-            logits[torch.arange(len(ids), device=self.device), drafts] = 0.0  # one-hot
-        return drafts, logits
+        return Proposal(torch.tensor(ids, dtype=torch.long, device=self.device))
 
     def rollback(self, n: int) -> None:
         return None  # the index follows the sequence it is given

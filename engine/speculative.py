@@ -12,11 +12,18 @@ while the target's argmax equals the draft token, which makes its output
 identical to plain greedy decoding.
 
 Both caches are rolled back to the accepted length at the end of the round.
+
+A round asks the host for its results once (one `.tolist()`), whatever K:
+acceptance, the correction or bonus token and every probability shown in the
+inspector are computed on the device first. A token's logits do not depend on
+how many tokens are verified with it only while the block stays on the
+row-wise attention path, so K is bounded by `config.MAX_K`.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -53,19 +60,34 @@ class RoundResult:
     layers_run: list[int] = field(default_factory=list)  # per emitted token, when known
 
 
+@dataclass(slots=True)
+class Proposal:
+    """What a drafter proposes for one round: n <= k tokens and the distributions they came from.
+
+    `logits` None means one-hot drafts (a lookup copies tokens: p_draft is 1 on
+    each proposed token). `probs` is the processed distribution the tokens were
+    sampled from (sampled decoding), so the round need not compute it again.
+    Rows cover the target's vocabulary: ids the target lacks are never drafted.
+    """
+
+    ids: Tensor  # [n] long
+    logits: Tensor | None = None  # [n, V]
+    probs: Tensor | None = None  # [n, V] float32, sampled decoding only
+
+    @property
+    def n(self) -> int:
+        return int(self.ids.shape[0])
+
+
 class Drafter(Protocol):
-    """Proposes draft tokens; the two-model draft and the self-speculative draft implement it."""
+    """Proposes draft tokens: the draft model, the self-speculative layers, prompt lookup."""
 
     name: str
 
     def propose(
         self, seq: list[int], k: int, cfg: DecodeConfig, generator: torch.Generator | None
-    ) -> tuple[Tensor, Tensor]:
-        """Draft up to k tokens after seq.
-
-        Returns (ids [n] long, logits [n, V] of the draft at each drafted
-        position), n <= k; n = 0 makes the round a plain step.
-        """
+    ) -> Proposal:
+        """Draft up to k tokens after seq; n = 0 makes the round a plain step."""
         ...
 
     def rollback(self, n: int) -> None:
@@ -79,31 +101,55 @@ class Drafter(Protocol):
     def reset(self) -> None: ...
 
 
+def draft_chain(
+    first: Tensor,
+    step: Callable[[Tensor], Tensor],
+    k: int,
+    cfg: DecodeConfig,
+    generator: torch.Generator | None,
+    vocab: int | None = None,
+) -> Proposal:
+    """k tokens drafted one at a time: `first` is the draft's logits [Vd] after seq,
+    `step(tok [1])` feeds a drafted token and returns the next logits [Vd].
+
+    Each row is fitted to the target's `vocab` before the token is chosen, so a
+    draft with a larger vocabulary samples from the very distribution the
+    acceptance test then uses. Tokens stay on the device: no host sync here.
+    """
+    rows: list[Tensor] = []
+    probs: list[Tensor] = []
+    ids: list[Tensor] = []
+    logits = first
+    for i in range(k):
+        logits = align_vocab(logits, vocab or logits.shape[-1])  # [V]
+        rows.append(logits)
+        if cfg.greedy:
+            tok = torch.argmax(logits, dim=-1)
+        else:
+            p = logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+            probs.append(p)
+            tok = sample(p, generator)
+        ids.append(tok)
+        if i + 1 < k:
+            logits = step(tok.view(1))
+    return Proposal(torch.stack(ids), torch.stack(rows), torch.stack(probs) if probs else None)
+
+
 class ModelDrafter:
     """A separate (smaller) draft model with its own KV cache."""
 
-    def __init__(self, runner: ModelRunner, name: str = "draft") -> None:
+    def __init__(self, runner: ModelRunner, name: str = "draft", vocab: int | None = None) -> None:
         self.runner = runner
         self.name = name
+        self.vocab = vocab  # the target's; None: the draft's own
 
     def propose(
         self, seq: list[int], k: int, cfg: DecodeConfig, generator: torch.Generator | None
-    ) -> tuple[Tensor, Tensor]:
-        rows: list[Tensor] = []
-        ids: list[Tensor] = []
-        logits = self.runner.forward(seq, keep=1)[-1]  # [V]
-        for i in range(k):
-            rows.append(logits)
-            if cfg.greedy:
-                tok = torch.argmax(logits, dim=-1)
-            else:
-                probs = logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
-                tok = sample(probs, generator)
-            ids.append(tok)
-            if i + 1 < k:
-                # Token stays on the device: no host sync inside the draft loop.
-                logits = self.runner.feed(tok.view(1), keep=1)[-1]
-        return torch.stack(ids), torch.stack(rows)  # [k], [k, V]
+    ) -> Proposal:
+        first = self.runner.forward(seq, keep=1)[-1]  # [Vd]
+        return draft_chain(
+            first, lambda tok: self.runner.feed(tok, keep=1)[-1], k, cfg, generator, self.vocab
+        )
 
     def rollback(self, n: int) -> None:
         self.runner.crop_to(n)
@@ -123,24 +169,33 @@ class ModelDrafter:
 
 
 def accept_or_resample(
-    p_target: Tensor, p_draft: Tensor, draft_ids: Tensor, generator: torch.Generator | None
-) -> tuple[int, int]:
-    """The speculative sampling rule on processed distributions.
+    p_target: Tensor, p_draft: Tensor | None, draft_ids: Tensor, generator: torch.Generator | None
+) -> tuple[Tensor, Tensor]:
+    """The speculative sampling rule on processed distributions, on the device.
 
-    p_target [k+1, V], p_draft [k, V], draft_ids [k]. Returns (n accepted,
-    the round's last token): the residual sample at the first rejection, or
-    the bonus sample from p_target[k] when all k drafts are accepted.
+    p_target [k+1, V], p_draft [k, V] (None: one-hot drafts), draft_ids [k].
+    Draft token d_i is accepted when u_i * p_draft_i(d_i) < p_target_i(d_i),
+    u_i ~ U[0, 1): with probability min(1, p_target/p_draft), and never when
+    p_target is 0. Returns (n accepted [] long, the round's last token [] long):
+    a sample of the residual norm(max(0, p_target - p_draft)) at the first
+    rejection, or of p_target[k] (the bonus) when all k are accepted.
     """
     k = int(draft_ids.shape[0])
     idx = torch.arange(k, device=draft_ids.device)
     pt = p_target[idx, draft_ids]  # p_target_i(d_i)  [k]
-    pd = p_draft[idx, draft_ids]  # p_draft_i(d_i)   [k]
+    if p_draft is None:  # one-hot: p_draft_i = 1 on d_i, so max(0, p_target - p_draft) drops d_i
+        pd = torch.ones_like(pt)
+        left = p_target[:k].index_put((idx, draft_ids), torch.zeros_like(pt))  # [k, V]
+        resid = residual(left, torch.zeros_like(left))
+    else:
+        pd = p_draft[idx, draft_ids]  # p_draft_i(d_i)  [k]
+        resid = residual(p_target[:k], p_draft)  # [k, V]
     u = torch.rand(k, device=draft_ids.device, generator=generator)
-    accept = (u * pd <= pt).tolist()  # u < min(1, p_target/p_draft); one host sync
-    n_acc = accept.index(False) if False in accept else k
-    if n_acc < k:
-        return n_acc, int(sample(residual(p_target[n_acc], p_draft[n_acc]), generator))
-    return k, int(sample(p_target[k], generator))
+    accept = (u * pd < pt).long()  # [k]
+    n_acc = torch.cumprod(accept, dim=0).sum()  # accepted prefix length []
+    rows = torch.cat([resid, p_target[k:]], dim=0)  # row i: where the round ends at i  [k+1, V]
+    last = sample(rows.index_select(0, n_acc.view(1)), generator)[0]  # []
+    return n_acc, last
 
 
 def _now() -> float:
@@ -154,14 +209,15 @@ def plain_step(
     t0 = _now()
     logits = target.forward(seq, keep=1)[-1]  # [V]
     if cfg.greedy:
-        tok = int(torch.argmax(logits))
-        p = float(token_probs(logits.view(1, -1), torch.tensor([tok], device=logits.device))[0])
+        tok_t = torch.argmax(logits)
+        p_t = token_probs(logits.view(1, -1), tok_t.view(1))[0]
     else:
         probs = logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
-        tok = int(sample(probs, generator))
-        p = float(probs[tok])
+        tok_t = sample(probs, generator)
+        p_t = probs[tok_t]
+    tok, p = torch.stack([tok_t.double(), p_t.double()]).tolist()  # one host sync
     ms = (_now() - t0) * 1e3
-    return RoundResult([Emitted(tok, Provenance.TARGET, p_target=p)], 0, 0, 0.0, ms)
+    return RoundResult([Emitted(int(tok), Provenance.TARGET, p_target=p)], 0, 0, 0.0, ms)
 
 
 def speculative_round(
@@ -178,68 +234,84 @@ def speculative_round(
     # cost, kept out of draft_ms, which the controller reads as k per-token draft steps
     # (counted in, it made every probe after a plain stretch look too dear to keep).
     drafter.catch_up(seq)
-    # 1. Draft: d_1..d_k and the draft's logits at each position.
+    # 1. Draft: d_1..d_k and the draft's distribution at each position.
     t0 = _now()
-    draft_ids, draft_logits = drafter.propose(seq, k, cfg, generator)  # [k], [k, Vd]
-    k = int(draft_ids.shape[0])  # a lookup draft may find fewer, or none: then a plain step
+    prop = drafter.propose(seq, k, cfg, generator)
+    k = prop.n  # a lookup draft may find fewer, or none: then a plain step
     t1 = _now()
-    # 2. Verify: one target pass over (pending tokens + d_1..d_k), keeping k+1 rows.
-    target.crop_to(n0 - 1)
-    pending = torch.tensor(seq[target.cached :], dtype=torch.long, device=target.device)
-    target_logits = target.feed(torch.cat([pending, draft_ids.to(target.device)]), keep=k + 1)
-    draft_logits = align_vocab(draft_logits.to(target_logits.device), target_logits.shape[-1])
-    d = draft_ids.to(target_logits.device)
-    idx = torch.arange(k, device=d.device)
+    # 2. Verify: one target pass over (the last token + d_1..d_k), keeping k+1 rows.
+    target.prefill(seq)  # the cache holds seq[:-1]
+    d = prop.ids.to(target.device)  # [k]
+    block = torch.cat([torch.tensor(seq[-1:], dtype=torch.long, device=target.device), d])
+    target_logits = target.feed(block, keep=k + 1)  # [k+1, V]
+    vocab = target_logits.shape[-1]
+    dev = target_logits.device
+    positions = torch.arange(k + 1, device=dev)
 
-    # 3. Accept / resample / bonus.
+    # 3. Accept / resample / bonus, all on the device.
+    draft_logits = (
+        align_vocab(prop.logits.to(dev), vocab) if prop.logits is not None else None
+    )  # [k, V]
     if cfg.greedy:
         target_argmax = torch.argmax(target_logits, dim=-1)  # [k+1]
-        matches = (target_argmax[:k] == d).tolist()  # the round's one host sync
-        n_acc = matches.index(False) if False in matches else k
-        extra = int(target_argmax[n_acc])
-        p_t = token_probs(
-            target_logits[: n_acc + 1], torch.cat([d[:n_acc], target_argmax[n_acc : n_acc + 1]])
-        )
-        p_d_acc = token_probs(draft_logits[:n_acc], d[:n_acc]) if n_acc else None
-        p_d_extra = (
-            float(token_probs(draft_logits[n_acc : n_acc + 1], target_argmax[n_acc : n_acc + 1])[0])
-            if n_acc < k
+        n_acc = torch.cumprod((target_argmax[:k] == d).long(), dim=0).sum()  # []
+        last = target_argmax.index_select(0, n_acc.view(1))[0]
+        p_target_rows = None
+    else:
+        p_target_rows = logits_to_probs(target_logits, cfg.temperature, cfg.top_k, cfg.top_p)
+        p_draft_rows = (
+            prop.probs.to(dev)
+            if prop.probs is not None
+            else logits_to_probs(draft_logits, cfg.temperature, cfg.top_k, cfg.top_p)
+            if draft_logits is not None
             else None
         )
+        n_acc, last = accept_or_resample(p_target_rows, p_draft_rows, d, generator)
+    # The emitted chain: d_1..d_n, then the correction or bonus at position n.
+    chain = torch.where(positions < n_acc, torch.cat([d, d.new_zeros(1)]), last)  # [k+1]
+    if p_target_rows is None:
+        p_t = token_probs(target_logits, chain)  # [k+1]
     else:
-        p_target = logits_to_probs(target_logits, cfg.temperature, cfg.top_k, cfg.top_p)  # [k+1, V]
-        p_draft = logits_to_probs(draft_logits, cfg.temperature, cfg.top_k, cfg.top_p)  # [k, V]
-        n_acc, extra = accept_or_resample(p_target, p_draft, d, generator)
-        p_d_extra = float(p_draft[n_acc, extra]) if n_acc < k else None
-        p_t = torch.cat([p_target[idx[:n_acc], d[:n_acc]], p_target[n_acc, extra].view(1)])
-        p_d_acc = p_draft[idx[:n_acc], d[:n_acc]] if n_acc else None
+        p_t = p_target_rows[positions, chain]
+    if draft_logits is None:
+        p_d = (chain[:k] == d).double()  # one-hot: 1 on the drafted token
+    elif cfg.greedy:
+        p_d = token_probs(draft_logits, chain[:k]).double()
+    else:
+        assert p_draft_rows is not None
+        p_d = p_draft_rows[positions[:k], chain[:k]].double()
+    packed = torch.cat(  # the round's one host sync
+        [n_acc.view(1).double(), chain.double(), p_t.double(), p_d, d.double()]
+    ).tolist()
     t2 = _now()
 
-    d_list = d[:n_acc].tolist()
-    p_t_list = p_t.tolist()
-    p_d_list = p_d_acc.tolist() if p_d_acc is not None else []
+    n = int(packed[0])
+    chain_ids = [int(x) for x in packed[1 : k + 2]]
+    p_t_list = packed[k + 2 : 2 * k + 3]
+    p_d_list = packed[2 * k + 3 : 3 * k + 3]
+    d_list = [int(x) for x in packed[3 * k + 3 :]]
     tokens = [
-        Emitted(tok, Provenance.ACCEPTED, position=i, p_target=p_t_list[i], p_draft=p_d_list[i])
-        for i, tok in enumerate(d_list)
+        Emitted(chain_ids[i], Provenance.ACCEPTED, position=i, p_target=p_t_list[i], p_draft=p_d_list[i])
+        for i in range(n)
     ]
-    if n_acc < k:
+    if n < k:
         tokens.append(
             Emitted(
-                extra,
+                chain_ids[n],
                 Provenance.CORRECTED,
-                position=n_acc,
-                p_target=p_t_list[n_acc],
-                p_draft=p_d_extra,
-                rejected_id=int(d[n_acc]),
+                position=n,
+                p_target=p_t_list[n],
+                p_draft=p_d_list[n],
+                rejected_id=d_list[n],
             )
         )
     elif k:
-        tokens.append(Emitted(extra, Provenance.BONUS, position=k, p_target=p_t_list[n_acc]))
+        tokens.append(Emitted(chain_ids[k], Provenance.BONUS, position=k, p_target=p_t_list[k]))
     else:
-        tokens.append(Emitted(extra, Provenance.TARGET, p_target=p_t_list[0]))
+        tokens.append(Emitted(chain_ids[0], Provenance.TARGET, p_target=p_t_list[0]))
 
     # 4. Roll back to the accepted length: the caches hold seq + accepted drafts;
     # the round's last token is fed at the start of the next round.
-    target.crop_to(n0 + n_acc)
-    drafter.rollback(n0 + n_acc)
-    return RoundResult(tokens, k, n_acc, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
+    target.crop_to(n0 + n)
+    drafter.rollback(n0 + n)
+    return RoundResult(tokens, k, n, (t1 - t0) * 1e3, (t2 - t1) * 1e3)

@@ -57,14 +57,13 @@ def test_the_incremental_index_equals_a_fresh_search(chunks: list[list[int]], k:
         assert d.match(seq, k) == reference_match(seq, k)
 
 
-def test_propose_gives_one_hot_logits_over_the_target_vocabulary() -> None:
+def test_propose_gives_one_hot_drafts_without_vocabulary_rows() -> None:
     d = LookupDrafter(vocab=50)
-    ids, logits = d.propose([3, 4, 7, 3, 4], 4, DecodeConfig(), None)
-    assert ids.tolist() == [7, 3, 4]
-    assert logits.shape == (3, 50)
-    assert torch.equal(torch.softmax(logits, -1), torch.nn.functional.one_hot(ids, 50).float())
-    ids, logits = d.propose([1, 2, 3], 4, DecodeConfig(), None)
-    assert ids.shape == (0,) and logits.shape == (0, 50)
+    prop = d.propose([3, 4, 7, 3, 4], 4, DecodeConfig(), None)
+    assert prop.ids.tolist() == [7, 3, 4]
+    assert prop.logits is None and prop.probs is None  # one-hot: the round needs no [k, V] rows
+    prop = d.propose([1, 2, 3], 4, DecodeConfig(), None)
+    assert prop.ids.shape == (0,) and prop.n == 0
 
 
 @pytest.fixture(scope="module")
