@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,8 +35,15 @@ from .events import (
 )
 from .loading import LoadedModel, check_tokenizers_match, load_model, set_threads
 from .runner import ModelRunner
-from .speculative import Drafter, ModelDrafter, RoundResult, plain_step, speculative_round
-from .text import IncrementalDecoder, find_stop, held_back
+from .speculative import (
+    Drafter,
+    Emitted,
+    ModelDrafter,
+    RoundResult,
+    plain_step,
+    speculative_round,
+)
+from .text import IncrementalDecoder, ReplyFilter
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +89,11 @@ class ChatSession:
         self.tokenizer = target.tokenizer
         self.target_runner = ModelRunner(target.model, target.device)
         self.drafter: Drafter | None = (
-            ModelDrafter(ModelRunner(draft.model, draft.device), draft.info.name) if draft else None
+            ModelDrafter(
+                ModelRunner(draft.model, draft.device), draft.info.name, self.target_runner.vocab
+            )
+            if draft
+            else None
         )
         self._self_drafter: Drafter | None = None
         self._self_drafter_layer: int | None = None
@@ -98,6 +109,11 @@ class ChatSession:
         self.has_template = bool(getattr(self.tokenizer, "chat_template", None))
         self.tokens: list[int] = []  # the sequence the target cache follows
         self._messages: list[tuple[str, str]] = []
+        self._window = 0  # index of the first message the model still sees (context full)
+        # First position whose target K/V an early exit estimated: lossless turns recompute from it.
+        self._approx_from: int | None = None
+        self._cut = False  # the last reply stopped at the token limit: it can be continued
+        self._unfinished = 0  # tokens at the end of the last reply whose text is not out yet
         self.turn = 0
         self.costs = Costs()
         self._mode_costs: dict[Mode, Costs] = {}  # self-spec, lookup: see _costs_for
@@ -250,12 +266,19 @@ class ChatSession:
         if bad:
             raise ValueError(f"history roles must be 'user' or 'assistant', got {bad[0]!r}")
         self._messages[:] = turns
+        self._window = 0
+        self._cut = False
+
+    @property
+    def can_continue(self) -> bool:
+        """Whether the last reply was cut by the token limit and can be continued."""
+        return self._cut and bool(self._messages) and self._messages[-1][0] == "assistant"
 
     def stream(
         self, prompt: str, config: DecodeConfig, cancel: threading.Event | None = None
     ) -> Iterator[Event]:
         self._messages.append(("user", prompt))
-        yield from self._reply(config, cancel)
+        yield from self._reply(config, cancel, keep=len(self._messages) - 1)
 
     def regenerate(
         self, config: DecodeConfig, cancel: threading.Event | None = None
@@ -265,7 +288,23 @@ class ChatSession:
         if not self._messages:
             yield Failed("there is no prompt to answer again", hint="type a prompt first")
             return
-        yield from self._reply(config, cancel)
+        yield from self._reply(config, cancel, keep=len(self._messages) - 1)
+
+    def continue_reply(
+        self, config: DecodeConfig, cancel: threading.Event | None = None
+    ) -> Iterator[Event]:
+        """Decode more of the last reply, which the token limit cut.
+
+        Streams like `stream`; TurnFinished.stats.text and Cancelled.text hold
+        the whole reply, stats.tokens the tokens of this continuation.
+        """
+        if not self.can_continue:
+            yield Failed(
+                "there is no cut reply to continue",
+                hint="only a reply that stopped at the token limit can be continued",
+            )
+            return
+        yield from self._reply(config, cancel, keep=len(self._messages), continuing=True)
 
     # -- rendering and context -----------------------------------------------
 
@@ -285,20 +324,26 @@ class ChatSession:
         plain: list[int] = self.tokenizer("\n".join(parts))["input_ids"]
         return plain
 
-    def _fit_context(self, cfg: DecodeConfig) -> tuple[list[int], list[str]]:
-        """Render, dropping the oldest turns (never the system prompt) when needed."""
+    def _fit_context(self, cfg: DecodeConfig) -> tuple[list[int], int, list[str]]:
+        """Render the conversation the model can see: (ids, first message index, notes).
+
+        When the context is full the oldest turns (never the system prompt) leave
+        the window, down to a quarter of the context below the limit, so the next
+        turns keep a stable prefix to reuse instead of re-prefilling nearly all
+        of it every turn. The history itself is never trimmed.
+        """
         room = min(cfg.max_new_tokens, max(self.MIN_REPLY_ROOM, self.context_length // 4))
         limit = self.context_length - room
-        ids = self.render(self._messages)
-        dropped = 0
-        while len(ids) > limit and len(self._messages) > 1:
-            # Drop the oldest user turn and the reply that followed it.
-            self._messages.pop(0)
-            dropped += 1
-            if self._messages and self._messages[0][0] == "assistant":
-                self._messages.pop(0)
-                dropped += 1
-            ids = self.render(self._messages)
+        last = len(self._messages) - 1
+        start = min(self._window, last)
+        ids = self.render(self._messages[start:])
+        if len(ids) > limit:
+            goal = limit - self.context_length // 4
+            while len(ids) > goal and start < last:
+                start += 1  # the oldest user turn, and the reply that followed it
+                if start < last and self._messages[start][0] == "assistant":
+                    start += 1
+                ids = self.render(self._messages[start:])
         if len(ids) > limit:
             raise ContextOverflowError(
                 f"the prompt is {len(ids)} tokens; the context holds {self.context_length} "
@@ -306,12 +351,13 @@ class ChatSession:
                 hint="shorten the prompt or lower --max-new-tokens",
             )
         notes = []
-        if dropped:
+        if start > self._window:
             notes.append(
-                f"context full: dropped the {dropped} oldest message(s) to fit "
-                f"{self.context_length} tokens (the system prompt is kept)"
+                f"context full: the {start} oldest message(s) are out of the model's view "
+                f"of {self.context_length} tokens (the system prompt is kept; the "
+                "conversation keeps them all)"
             )
-        return ids, notes
+        return ids, start, notes
 
     # -- drafters for each mode ----------------------------------------------
 
@@ -340,45 +386,76 @@ class ChatSession:
 
     # -- the decoding loop ----------------------------------------------------
 
-    def _reply(self, cfg: DecodeConfig, cancel: threading.Event | None) -> Iterator[Event]:
+    def _reply(
+        self,
+        cfg: DecodeConfig,
+        cancel: threading.Event | None,
+        keep: int,
+        continuing: bool = False,
+    ) -> Iterator[Event]:
+        """Run one reply; on a failure keep the first `keep` messages and report it."""
         t_start = time.perf_counter()
-        user_turns = len(self._messages)
         try:
-            yield from self._decode(cfg, cancel, t_start)
+            yield from self._decode(cfg, cancel, t_start, continuing)
+        except ContextOverflowError as exc:
+            del self._messages[keep:]  # nothing was decoded: the caches are intact
+            yield Failed(exc.message, exc.hint)
         except EngineError as exc:
-            self._recover(user_turns)
+            self._recover(keep)
             yield Failed(exc.message, exc.hint)
         except torch.OutOfMemoryError:
-            self._recover(user_turns)
+            self._recover(keep)
             yield Failed(
                 "out of memory while decoding",
                 hint="lower --max-new-tokens, start a new conversation, or use a quantized/smaller model",
             )
         except Exception as exc:  # a bug or a backend failure: report it, keep the UI alive
             log.exception("decoding failed")
-            self._recover(user_turns)
+            self._recover(keep)
             yield Failed(
                 f"decoding failed: {type(exc).__name__}: {exc}", hint="see the log for details"
             )
 
-    def _recover(self, user_turns: int) -> None:
-        """After a failure: drop the failed turn and the caches (re-prefilled next turn)."""
-        del self._messages[user_turns - 1 :]
+    def _recover(self, keep: int) -> None:
+        """After a failure: keep `keep` messages, drop the caches (re-prefilled next turn)."""
+        del self._messages[keep:]
+        self._window = min(self._window, max(0, len(self._messages) - 1))
+        self._cut = False
         self.tokens = []
+        self._approx_from = None
         self.target_runner.reset()
         for d in (self.drafter, self._self_drafter):
             if d is not None:
                 d.reset()
 
+    def _start(self, ids: list[int], lossless: bool) -> int:
+        """Bring every cache to the longest prefix of ids it holds; returns that length.
+
+        Each drafter with a cache is rolled back too, not only the one this turn
+        uses: a draft left behind by a turn in another mode still holds the old
+        sequence past the common prefix. A lossless turn also drops the K/V an
+        early exit estimated, from its first such position on.
+        """
+        reuse = common_prefix_len(self.tokens, ids)
+        if lossless and self._approx_from is not None:
+            reuse = min(reuse, self._approx_from)
+            self._approx_from = None
+        self.target_runner.crop_to(reuse)
+        for d in (self.drafter, self._self_drafter, self._lookup_drafter):
+            if d is not None:
+                d.rollback(reuse)
+        return reuse
+
     def _decode(
-        self, cfg: DecodeConfig, cancel: threading.Event | None, t_start: float
+        self, cfg: DecodeConfig, cancel: threading.Event | None, t_start: float, continuing: bool
     ) -> Iterator[Event]:
-        try:
-            ids, notes = self._fit_context(cfg)
-        except ContextOverflowError as exc:
-            self._messages.pop()
-            yield Failed(exc.message, exc.hint)
-            return
+        earlier = ""  # the part of a continued reply decoded before
+        notes: list[str] = []
+        if continuing:
+            ids, earlier = list(self.tokens), self._messages[-1][1]
+        else:
+            ids, self._window, notes = self._fit_context(cfg)
+        self._cut = False
         for note in notes:
             yield Notice(note, "warning")
 
@@ -397,10 +474,7 @@ class ChatSession:
                 early_exit_step = EarlyExitStepper.for_session(self, cfg)
 
         # Reuse the cached prefix; prefill the rest (all but the last token).
-        reuse = common_prefix_len(self.tokens, ids)
-        self.target_runner.crop_to(reuse)
-        if drafter is not None:
-            drafter.rollback(reuse)
+        reuse = self._start(ids, lossless=run_mode is not Mode.EARLY_EXIT)
         t0 = time.perf_counter()
         self.target_runner.prefill(ids)
         if isinstance(drafter, ModelDrafter):
@@ -415,24 +489,19 @@ class ChatSession:
             cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(4), "little")
         )
         controller = Controller(cfg, self._costs_for(run_mode))
-        decoder = IncrementalDecoder(self.tokenizer, context=ids)
-
-        generated = 0
-        rounds = spec_rounds = drafted = accepted = early_exits = 0
-        layers_total = 0
-        layers_known = 0
-        fallbacks: list[str] = []
-        reply_text = ""  # text released to the UI
-        pending: list[TokenEvent] = []  # held back: may be the start of a stop string
-        pending_text = ""
-        t_first: float | None = None
+        decoder = IncrementalDecoder(
+            self.tokenizer, context=ids, unfinished=self._unfinished if continuing else 0
+        )
+        reply: ReplyFilter[TokenEvent] = ReplyFilter(cfg.stop)
+        tally = _Tally()
         stop_reason = "max_tokens"
+        speculative = run_mode in SPECULATIVE_MODES
 
-        while True:
+        while stop_reason == "max_tokens":
             if cancel is not None and cancel.is_set():
                 stop_reason = "cancelled"
                 break
-            remaining = cfg.max_new_tokens - generated
+            remaining = cfg.max_new_tokens - tally.generated
             room = self.context_length - len(seq)
             if remaining <= 0:
                 break
@@ -440,7 +509,7 @@ class ChatSession:
                 stop_reason = "context"
                 break
 
-            if run_mode in SPECULATIVE_MODES:
+            if speculative:
                 mode, k = controller.next()
                 k = min(k, remaining - 1, room - 1)
             else:
@@ -452,9 +521,6 @@ class ChatSession:
                 res = speculative_round(self.target_runner, drafter, seq, k, cfg, generator)
                 if res.k:
                     controller.observe_round(res.k, res.accepted, res.draft_ms, res.verify_ms)
-                    spec_rounds += 1
-                    drafted += res.k
-                    accepted += res.accepted
                     round_mode = run_mode
                 else:  # a lookup that found nothing: the round was a plain step
                     controller.observe_plain(res.verify_ms)
@@ -467,72 +533,31 @@ class ChatSession:
                 if run_mode is not Mode.PLAIN:
                     controller.observe_plain(res.verify_ms)
                 round_mode = Mode.PLAIN
-            rounds += 1
             reason = controller.take_reason() or reason
-            if reason:
-                fallbacks.append(reason)
+            tally.round(res, reason)
 
-            finished = False
             for i, em in enumerate(res.tokens):
+                if em.exit_layer is not None and self._approx_from is None:
+                    self._approx_from = len(seq) - 1  # this step estimated seq[-1]'s upper K/V
                 seq.append(em.token_id)
-                generated += 1
-                if res.layers_run:
-                    layers_total += res.layers_run[i]
-                    layers_known += 1
-                if em.exit_layer is not None:
-                    early_exits += 1
+                tally.token(res, i)
                 is_eos = em.token_id in self.eos
-                text = "" if is_eos else decoder.add(em.token_id)
-                if is_eos:
-                    text = decoder.flush()
-                now = time.perf_counter()
-                if t_first is None:
-                    t_first = now
-                pending.append(
-                    TokenEvent(
-                        token_id=em.token_id,
-                        text=text,
-                        provenance=em.provenance,
-                        round=rounds,
-                        position=em.position,
-                        p_target=em.p_target,
-                        p_draft=em.p_draft,
-                        exit_layer=em.exit_layer,
-                        confidence=em.confidence,
-                        rejected_id=em.rejected_id,
-                        rejected_text=(
-                            self.tokenizer.decode([em.rejected_id])
-                            if em.rejected_id is not None
-                            else None
-                        ),
-                        t=now,
-                    )
-                )
-                pending_text += text
-                if cfg.stop:
-                    full = reply_text + pending_text
-                    hit = find_stop(full, cfg.stop)
-                    if hit >= 0:
-                        released, pending = _trim_to(pending, hit - len(reply_text))
-                        yield from released
-                        reply_text = full[:hit]
-                        pending_text = ""
-                        stop_reason = "stop_string"
-                        finished = True
-                        break
-                    if held_back(full, cfg.stop):
-                        continue
-                yield from pending
-                reply_text += pending_text
-                pending, pending_text = [], ""
+                text = decoder.flush() if is_eos else decoder.add(em.token_id)
+                event = self._token_event(em, text, tally.rounds)
+                released = reply.push(event)
+                if is_eos and not reply.stopped:
+                    released += reply.release()
+                yield from released
+                if released and tally.t_first is None:
+                    tally.t_first = released[0].t
+                if reply.stopped:
+                    stop_reason = "stop_string"
+                    break
                 if is_eos:
                     stop_reason = "eos"
-                    finished = True
-                    break
-                if generated >= cfg.max_new_tokens:
                     break
             yield RoundEvent(
-                round=rounds,
+                round=tally.rounds,
                 mode=round_mode,
                 k=res.k,
                 accepted=res.accepted,
@@ -541,62 +566,106 @@ class ChatSession:
                 fallback_reason=reason,
                 next_mode=(
                     (run_mode if controller.mode is Mode.SPEC else Mode.PLAIN)
-                    if run_mode in SPECULATIVE_MODES
+                    if speculative
                     else run_mode
                 ),
-                next_k=controller.k if run_mode in SPECULATIVE_MODES else None,
-                target_step_ms=(
-                    controller.costs.target_step_ms if run_mode in SPECULATIVE_MODES else None
-                ),
+                next_k=controller.k if speculative else None,
+                target_step_ms=controller.costs.target_step_ms if speculative else None,
             )
-            if finished:
-                break
 
-        if stop_reason != "stop_string":
-            tail = decoder.flush()
-            yield from pending
-            reply_text += pending_text + tail
+        # A reply cut inside a multi-byte character ends without it: those bytes are
+        # no text yet (a continuation completes them), so the stream and the reply agree.
+        self._unfinished = decoder.unfinished
+        yield from reply.finish()
+        text = earlier + reply.text
         self.tokens = seq
-        self._messages.append(("assistant", reply_text))
-        seconds = time.perf_counter() - t_start
+        if continuing:
+            self._messages[-1] = ("assistant", text)
+        else:
+            self._messages.append(("assistant", text))
+        self._cut = stop_reason == "max_tokens"
         if stop_reason == "cancelled":
-            yield Cancelled(generated, reply_text)
+            yield Cancelled(tally.generated, text)
             return
         optimizations = [run_mode.value]
-        if run_mode in SPECULATIVE_MODES:
+        if speculative:
             optimizations.append(f"K={cfg.k}" if cfg.k is not None else "K=auto")
         yield TurnFinished(
-            TurnStats(
-                tokens=generated,
-                seconds=seconds,
-                tokens_per_s=generated / seconds if seconds > 0 else 0.0,
-                ttft_s=(t_first - t_start) if t_first is not None else seconds,
-                rounds=rounds,
-                drafted=drafted,
-                accepted=accepted,
-                acceptance_rate=accepted / drafted if drafted else None,
-                mean_accepted_length=(accepted + spec_rounds) / spec_rounds
-                if spec_rounds
-                else None,
-                mode=run_mode,
-                optimizations=tuple(optimizations),
-                fallbacks=tuple(fallbacks),
-                stop_reason=stop_reason,
-                text=reply_text,
-                early_exits=early_exits,
-                mean_layers=layers_total / layers_known if layers_known else None,
-            )
+            tally.stats(t_start, run_mode, optimizations, stop_reason, text)
+        )
+
+    def _token_event(self, em: Emitted, text: str, round_: int) -> TokenEvent:
+        return TokenEvent(
+            token_id=em.token_id,
+            text=text,
+            provenance=em.provenance,
+            round=round_,
+            position=em.position,
+            p_target=em.p_target,
+            p_draft=em.p_draft,
+            exit_layer=em.exit_layer,
+            confidence=em.confidence,
+            rejected_id=em.rejected_id,
+            rejected_text=(
+                self.tokenizer.decode([em.rejected_id]) if em.rejected_id is not None else None
+            ),
+            t=time.perf_counter(),
         )
 
 
-def _trim_to(
-    pending: list[TokenEvent], keep_chars: int
-) -> tuple[list[TokenEvent], list[TokenEvent]]:
-    """Release pending tokens with their text cut after keep_chars characters."""
-    out: list[TokenEvent] = []
-    left = max(0, keep_chars)
-    for ev in pending:
-        text = ev.text[:left]
-        left -= len(text)
-        out.append(replace(ev, text=text))
-    return out, []
+@dataclass(slots=True)
+class _Tally:
+    """A reply's counters, turned into TurnStats at its end."""
+
+    generated: int = 0
+    rounds: int = 0
+    spec_rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    early_exits: int = 0
+    layers_total: int = 0
+    layers_known: int = 0
+    t_first: float | None = None
+    fallbacks: list[str] = field(default_factory=list)
+
+    def round(self, res: RoundResult, reason: str | None) -> None:
+        self.rounds += 1
+        if res.k:
+            self.spec_rounds += 1
+            self.drafted += res.k
+            self.accepted += res.accepted
+        if reason:
+            self.fallbacks.append(reason)
+
+    def token(self, res: RoundResult, i: int) -> None:
+        self.generated += 1
+        if res.layers_run:
+            self.layers_total += res.layers_run[i]
+            self.layers_known += 1
+        if res.tokens[i].exit_layer is not None:
+            self.early_exits += 1
+
+    def stats(
+        self, t_start: float, mode: Mode, optimizations: list[str], stop_reason: str, text: str
+    ) -> TurnStats:
+        seconds = time.perf_counter() - t_start
+        return TurnStats(
+            tokens=self.generated,
+            seconds=seconds,
+            tokens_per_s=self.generated / seconds if seconds > 0 else 0.0,
+            ttft_s=self.t_first - t_start if self.t_first is not None else seconds,
+            rounds=self.rounds,
+            drafted=self.drafted,
+            accepted=self.accepted,
+            acceptance_rate=self.accepted / self.drafted if self.drafted else None,
+            mean_accepted_length=(self.accepted + self.spec_rounds) / self.spec_rounds
+            if self.spec_rounds
+            else None,
+            mode=mode,
+            optimizations=tuple(optimizations),
+            fallbacks=tuple(self.fallbacks),
+            stop_reason=stop_reason,
+            text=text,
+            early_exits=self.early_exits,
+            mean_layers=self.layers_total / self.layers_known if self.layers_known else None,
+        )

@@ -9,18 +9,23 @@ text that is complete (the approach of text-generation-inference and vLLM).
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
+from typing import Any, Generic, Protocol, TypeVar
 
 REPLACEMENT = "\ufffd"
 
 
 class IncrementalDecoder:
-    def __init__(self, tokenizer: Any, context: list[int] | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, context: list[int] | None = None, unfinished: int = 0
+    ) -> None:
+        """`context`: the ids before the first one added; its last `unfinished` ids
+        have not been turned into text yet (a reply cut inside a character)."""
         self.tokenizer = tokenizer
         # A few tokens of context so the first reply token keeps its leading space.
-        self.ids: list[int] = list(context[-4:]) if context else []
+        self.ids: list[int] = list(context[-(4 + unfinished) :]) if context else []
         self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+        self.read_offset = max(0, len(self.ids) - unfinished)
 
     def _decode(self, ids: list[int]) -> str:
         text: str = self.tokenizer.decode(
@@ -39,6 +44,11 @@ class IncrementalDecoder:
             self.read_offset = len(self.ids)
             return delta
         return ""
+
+    @property
+    def unfinished(self) -> int:
+        """How many added ids have not been turned into text yet (a character still open)."""
+        return len(self.ids) - self.read_offset
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character at the end of a reply)."""
@@ -63,3 +73,64 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
                 best = max(best, n)
                 break
     return best
+
+
+class _HasText(Protocol):
+    @property
+    def text(self) -> str: ...
+
+
+T = TypeVar("T", bound=_HasText)
+
+
+class ReplyFilter(Generic[T]):
+    """Releases a reply's token events as their text may be shown.
+
+    Holds back the events whose text could begin a stop string and cuts the
+    reply at the first stop string (the events' text trimmed to it). Each push searches
+    only the new text and the stop length before it, not the whole reply.
+    Items are dataclasses with a `text` field.
+    """
+
+    def __init__(self, stops: tuple[str, ...] = ()) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self._reach = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""  # the released text of the reply
+        self.held: list[T] = []
+        self._held_text = ""
+        self.stopped = False  # a stop string ended the reply
+
+    def push(self, item: T) -> list[T]:
+        """Add the next event; returns the events released by it."""
+        self.held.append(item)
+        self._held_text += item.text
+        if self.stops:
+            start = max(0, len(self.text) - self._reach)
+            window = self.text[start:] + self._held_text
+            hit = find_stop(window, self.stops)
+            if hit >= 0:  # never inside released text: a stop's prefix is held back
+                return self._cut(start + hit - len(self.text))
+            if held_back(window, self.stops):
+                return []
+        return self.release()
+
+    def release(self) -> list[T]:
+        """Everything held, now."""
+        out, self.held = self.held, []
+        self.text += self._held_text
+        self._held_text = ""
+        return out
+
+    def finish(self) -> list[T]:
+        """The end of the reply: release what is held (nothing after a stop string)."""
+        return [] if self.stopped else self.release()
+
+    def _cut(self, keep: int) -> list[T]:
+        out: list[T] = []
+        for item in self.held:
+            text = item.text[: max(0, keep)]
+            keep -= len(text)
+            out.append(replace(item, text=text))  # type: ignore[type-var]
+        self.text += "".join(i.text for i in out)
+        self.held, self._held_text, self.stopped = [], "", True
+        return out
