@@ -69,6 +69,21 @@ def tiny_llama(
     return model.requires_grad_(False)
 
 
+def perturbed(model: LlamaForCausalLM, scale: float, seed: int = 1) -> LlamaForCausalLM:
+    """A copy of model whose LM head has Gaussian noise of std `scale` added (seeded).
+
+    A draft close to its target but not equal to it: acceptance well above a
+    random draft's, with tokens the target alone would never propose.
+    """
+    copy = LlamaForCausalLM(model.config).eval()
+    copy.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head = copy.lm_head.weight
+        head.add_(scale * torch.randn(head.shape, generator=gen))
+    return copy.requires_grad_(False)
+
+
 def loaded(model: torch.nn.Module, role: str = "target", tokenizer: object = None) -> LoadedModel:
     tok = tokenizer or tiny_tokenizer()
     device = torch.device("cpu")
