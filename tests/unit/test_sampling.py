@@ -7,8 +7,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from specchat.engine import speculative
 from specchat.engine.sampling import align_vocab, logits_to_probs, residual, sample, token_probs
-from specchat.engine.speculative import accept_or_resample
 
 
 def test_temperature_one_is_softmax() -> None:
@@ -73,36 +73,64 @@ def test_sample_follows_probs() -> None:
     assert chisquare(counts, 20_000 * np.array([0.1, 0.6, 0.3])).pvalue > 1e-3
 
 
+P_TARGET = torch.tensor([0.30, 0.20, 0.15, 0.10, 0.10, 0.08, 0.05, 0.02])
+P_DRAFT = torch.tensor([0.05, 0.30, 0.30, 0.05, 0.10, 0.10, 0.05, 0.05])
+
+
+def first_token_pvalue(k: int, n: int = 20_000, seed: int = 1234) -> float:
+    """Chi-square p-value of the first token of n rounds of accept_or_resample vs P_TARGET.
+
+    The rule is looked up on the engine module at call time, so a test can
+    replace what it calls (residual, torch.rand) and see the statistic react.
+    """
+    g = torch.Generator().manual_seed(seed)
+    drafts = sample(P_DRAFT.expand(n, k, 8), g)  # [n, k]
+    pt = P_TARGET.expand(k + 1, 8)
+    pd = P_DRAFT.expand(k, 8)
+    firsts = []
+    for i in range(n):
+        n_acc, extra = speculative.accept_or_resample(pt, pd, drafts[i], g)
+        firsts.append(int(drafts[i, 0]) if n_acc > 0 else extra)
+    counts = np.bincount(firsts, minlength=8)
+    return float(chisquare(counts, n * P_TARGET.numpy()).pvalue)
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_acceptance_rule_reproduces_target_distribution(k: int) -> None:
     """Chi-square: the first emitted token of a round is distributed as p_target.
 
     Fixed synthetic distributions over 8 tokens, draft tokens drawn from
     p_draft, seed 1234, N = 20,000 rounds; the test fails when the p-value of
-    the goodness-of-fit test is below 1e-3. A broken rule (e.g. accepting
-    every draft, or resampling from p_target instead of the residual) gives
-    p-values far below that (checked in the test below).
+    the goodness-of-fit test is below 1e-3. A broken rule gives p-values far
+    below that (the test below). Every position of a round, with distinct
+    rows, is checked in test_exactness_rounds.py.
     """
-    g = torch.Generator().manual_seed(1234)
-    p_target = torch.tensor([0.30, 0.20, 0.15, 0.10, 0.10, 0.08, 0.05, 0.02])
-    p_draft = torch.tensor([0.05, 0.30, 0.30, 0.05, 0.10, 0.10, 0.05, 0.05])
-    n = 20_000
-    drafts = sample(p_draft.expand(n, k, 8), g)  # [n, k]
-    pt = p_target.expand(k + 1, 8)
-    pd = p_draft.expand(k, 8)
-    firsts = []
-    for i in range(n):
-        n_acc, extra = accept_or_resample(pt, pd, drafts[i], g)
-        firsts.append(int(drafts[i, 0]) if n_acc > 0 else extra)
-    counts = np.bincount(firsts, minlength=8)
-    assert chisquare(counts, n * p_target.numpy()).pvalue > 1e-3
+    assert first_token_pvalue(k) > 1e-3
 
 
-def test_chi_square_detects_a_wrong_rule() -> None:
-    """The same test on 'always accept the draft' must fail: the test can fail."""
-    g = torch.Generator().manual_seed(1234)
-    p_target = np.array([0.30, 0.20, 0.15, 0.10, 0.10, 0.08, 0.05, 0.02])
-    p_draft = torch.tensor([0.05, 0.30, 0.30, 0.05, 0.10, 0.10, 0.05, 0.05])
-    n = 20_000
-    counts = torch.bincount(sample(p_draft.expand(n, 8), g), minlength=8).numpy()
-    assert chisquare(counts, n * p_target).pvalue < 1e-3
+class _ConstantCoin:
+    """torch, except that torch.rand gives u = value: a wrong acceptance test injected."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(torch, name)
+
+    def rand(self, *size: int, device: object = None, **_: object) -> torch.Tensor:
+        return torch.full(size, self.value, device=device)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("wrong", ["always accept (u = 0)", "resample from p_target"])
+def test_chi_square_detects_a_wrong_rule(monkeypatch: pytest.MonkeyPatch, wrong: str) -> None:
+    """The same statistic on the engine's own rule, broken on purpose, must reject.
+
+    "always accept": the engine's coin u is 0, so every draft is accepted;
+    "resample from p_target": the engine's residual returns p_target. Same
+    seed 1234, N = 20,000, K = 3; p must fall below 1e-3.
+    """
+    if wrong == "always accept (u = 0)":
+        monkeypatch.setattr(speculative, "torch", _ConstantCoin(0.0))
+    else:
+        monkeypatch.setattr(speculative, "residual", lambda p_target, p_draft: p_target)
+    assert first_token_pvalue(3) < 1e-3
