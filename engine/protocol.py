@@ -33,6 +33,25 @@ class ChatBackend(Protocol):
         """Drop the last reply and answer the last user turn again."""
         ...
 
+    def continue_reply(
+        self, config: DecodeConfig, cancel: threading.Event | None = None
+    ) -> Iterator[Event]:
+        """Decode more of the last reply, which the token limit (stop_reason "max_tokens") cut.
+
+        Streams like `stream`: TurnStarted, then TokenEvents carrying only the
+        added text and RoundEvents, then one of TurnFinished, Cancelled or
+        Failed. TurnFinished.stats.text and Cancelled.text hold the whole
+        reply (the earlier part and the continuation); stats.tokens counts the
+        tokens of this continuation only, which config.max_new_tokens bounds.
+        Yields Failed when the last turn is not a reply the limit cut.
+        """
+        ...
+
+    @property
+    def can_continue(self) -> bool:
+        """Whether the last reply was cut by the token limit and can be continued."""
+        ...
+
     def reset(self) -> None:
         """Start a new conversation (keeps the system prompt)."""
         ...

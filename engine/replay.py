@@ -14,6 +14,10 @@ a recorded turn (same tokens, all from the target, one per round), which is
 exact for the lossless modes. A requested mode with no recording is
 announced with a Notice and the group's first variant is replayed.
 
+A replay honours `DecodeConfig.max_new_tokens` as the engine does: a turn
+longer than the limit stops there with stop_reason "max_tokens", and
+`continue_reply()` plays the rest of the same recording, up to the limit again.
+
 Timestamps are re-based so that a replayed turn starts at the `stream()`
 call; the gaps between them stay as recorded, so statistics computed from a
 replay are the recorded ones whatever the replay speed.
@@ -199,6 +203,7 @@ class ReplaySession:
         self._current: int | None = None
         self._turn = 0
         self._messages: list[tuple[str, str]] = []
+        self._cut: tuple[int, int] | None = None  # (group, tokens played) of a reply the limit cut
         self.calls: list[tuple[str, str | None, DecodeConfig]] = []  # (kind, prompt, config)
 
     @classmethod
@@ -225,10 +230,17 @@ class ReplaySession:
     def turns_recorded(self) -> int:
         return len(self._groups)
 
+    @property
+    def can_continue(self) -> bool:
+        return (
+            self._cut is not None and bool(self._messages) and self._messages[-1][0] == "assistant"
+        )
+
     def reset(self) -> None:
         self._messages.clear()
         self._next = 0
         self._current = None
+        self._cut = None
 
     def stream(
         self, prompt: str, config: DecodeConfig, cancel: threading.Event | None = None
@@ -250,6 +262,22 @@ class ReplaySession:
             self._messages.pop()
         return self._play(self._current, config, cancel)
 
+    def continue_reply(
+        self, config: DecodeConfig, cancel: threading.Event | None = None
+    ) -> Iterator[Event]:
+        self.calls.append(("continue", None, config))
+        if not self.can_continue or self._cut is None:
+            return iter(
+                [
+                    Failed(
+                        "there is no cut reply to continue",
+                        hint="only a reply that stopped at the token limit can be continued",
+                    )
+                ]
+            )
+        group, skip = self._cut
+        return self._play(group, config, cancel, skip=skip, earlier=self._messages[-1][1])
+
     # replay -------------------------------------------------------------
 
     def _choose(self, group: int, mode: Mode) -> tuple[list[Any], Notice | None]:
@@ -267,19 +295,49 @@ class ReplaySession:
         )
 
     def _play(
-        self, group: int, config: DecodeConfig, cancel: threading.Event | None
+        self,
+        group: int,
+        config: DecodeConfig,
+        cancel: threading.Event | None,
+        *,
+        skip: int = 0,
+        earlier: str = "",
     ) -> Iterator[Event]:
+        """Replay a recorded turn from its token `skip`, at most config.max_new_tokens of it.
+
+        A reply the limit cuts ends like the engine's: TurnFinished with
+        stop_reason "max_tokens", and `continue_reply` plays on from there.
+        A round the limit cuts keeps its first tokens. `earlier` is the reply
+        text played before `skip`; the terminal events carry the whole reply.
+        """
         turn, notice = self._choose(group, config.mode)
         self._turn += 1
+        self._cut = None
+        recorded = [e for e in turn if isinstance(e, TokenEvent)]
+        recorded_end = next((e for e in turn if isinstance(e, TurnFinished)), None)
         call_t = time.perf_counter()
-        shift = call_t - _recorded_start(turn)
-        texts: list[str] = []
-        emitted = 0
+        start_t = _recorded_start(turn) if skip == 0 else recorded[skip - 1].t
+        shift = call_t - start_t
+        limit = config.max_new_tokens
+        mode = turn[0].mode
+        seen = 0  # tokens of the recording gone by, played or not
+        in_round = 0  # of those, in the current round
+        played: list[TokenEvent] = []
+        rounds: list[RoundEvent] = []
         clock_ms = 0.0
-        pending: list[Any] = []
+        pending: list[TokenEvent] = []
 
-        def finish_text() -> str:
-            return "".join(texts)
+        def whole() -> str:
+            return earlier + "".join(t.text for t in played)
+
+        def keep(text: str) -> None:
+            if skip:
+                self._messages[-1] = ("assistant", text)
+            else:
+                self._messages.append(("assistant", text))
+
+        def stats(stop_reason: str) -> TurnStats:
+            return _segment_stats(recorded_end, mode, played, rounds, call_t, stop_reason, whole())
 
         for ev in turn:
             if isinstance(ev, TurnStarted):
@@ -287,8 +345,17 @@ class ReplaySession:
                 if notice is not None:
                     yield notice
             elif isinstance(ev, TokenEvent):
-                pending.append(dataclasses.replace(ev, t=ev.t + shift if ev.t else 0.0))
+                seen += 1
+                in_round += 1
+                if seen > skip and len(played) + len(pending) < limit:
+                    pending.append(dataclasses.replace(ev, t=ev.t + shift if ev.t else 0.0))
             elif isinstance(ev, RoundEvent):
+                # this round's tokens played before the cut (a continuation resumes mid-round)
+                before = max(0, in_round - (seen - skip))
+                whole_round = len(pending) == in_round
+                in_round = 0
+                if seen <= skip:
+                    continue  # played before the cut
                 if cancel is not None and cancel.is_set():
                     break
                 clock_ms += ev.draft_ms + ev.verify_ms
@@ -302,24 +369,72 @@ class ReplaySession:
                             break
                     elif delay > 0:
                         time.sleep(delay)
-                for tok in pending:
-                    texts.append(tok.text)
-                    emitted += 1
-                    yield tok
-                pending = []
+                if not whole_round:
+                    accepted = sum(t.provenance is Provenance.ACCEPTED for t in pending)
+                    ev = dataclasses.replace(ev, k=max(accepted, ev.k - before), accepted=accepted)
+                yield from pending
                 yield ev
+                played.extend(pending)
+                rounds.append(ev)
+                pending = []
+                if len(played) >= limit and skip + len(played) < len(recorded):
+                    self._cut = (group, skip + len(played))
+                    keep(whole())
+                    yield TurnFinished(stats("max_tokens"))
+                    return
             elif isinstance(ev, _TERMINAL):
+                if skip and isinstance(ev, TurnFinished):
+                    ev = TurnFinished(stats(ev.stats.stop_reason))
+                elif skip and isinstance(ev, Cancelled):
+                    ev = Cancelled(len(played), whole())
                 if isinstance(ev, TurnFinished | Cancelled):
-                    self._messages.append(("assistant", finish_text()))
+                    keep(whole())
                 yield ev
                 return
             else:
                 yield ev
         if cancel is not None and cancel.is_set():
-            self._messages.append(("assistant", finish_text()))
-            yield Cancelled(emitted, finish_text())
+            keep(whole())
+            yield Cancelled(len(played), whole())
         else:
             yield Failed("The trace ends in the middle of a turn.", "Record the trace again.")
+
+
+def _segment_stats(
+    recorded: TurnFinished | None,
+    mode: Mode,
+    tokens: Sequence[TokenEvent],
+    rounds: Sequence[RoundEvent],
+    call_t: float,
+    stop_reason: str,
+    text: str,
+) -> TurnStats:
+    """Stats of the part of a recorded turn a replay played, timed on the recording's clock."""
+    round_s = [(r.draft_ms + r.verify_ms) / 1000.0 for r in rounds]
+    timed = [t for t in tokens if t.t]
+    ttft = timed[0].t - call_t if timed else (round_s[0] if round_s else 0.0)
+    seconds = timed[-1].t - call_t if timed else sum(round_s)
+    drafted = sum(r.k for r in rounds)
+    accepted = sum(r.accepted for r in rounds)
+    early = [t for t in tokens if t.provenance is Provenance.EARLY_EXIT]
+    return TurnStats(
+        tokens=len(tokens),
+        seconds=seconds,
+        tokens_per_s=len(tokens) / seconds if seconds > 0 else 0.0,
+        ttft_s=ttft,
+        rounds=len(rounds),
+        drafted=drafted,
+        accepted=accepted,
+        acceptance_rate=accepted / drafted if drafted else None,
+        mean_accepted_length=len(tokens) / len(rounds) if drafted and rounds else None,
+        mode=mode,
+        optimizations=recorded.stats.optimizations if recorded else (),
+        fallbacks=tuple(r.fallback_reason for r in rounds if r.fallback_reason),
+        stop_reason=stop_reason,
+        text=text,
+        early_exits=len(early),
+        mean_layers=None,  # a part of the turn: the recording holds the layers of the whole
+    )
 
 
 def _recorded_start(turn: Sequence[Any]) -> float:

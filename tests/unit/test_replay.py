@@ -12,6 +12,7 @@ from specchat.engine.config import DecodeConfig, Mode
 from specchat.engine.errors import EngineError
 from specchat.engine.events import (
     Cancelled,
+    Failed,
     LoadProgress,
     Notice,
     Provenance,
@@ -200,3 +201,90 @@ def test_regenerate_without_a_turn_fails_cleanly() -> None:
     session = ReplaySession(synthesize_trace())
     events = list(session.regenerate(SPEC))
     assert len(events) == 1 and events[0].__class__.__name__ == "Failed"
+
+
+def _tokens(events: list) -> list[TokenEvent]:
+    return [e for e in events if isinstance(e, TokenEvent)]
+
+
+def test_the_limit_cuts_a_reply_and_continue_plays_the_rest() -> None:
+    whole = list(ReplaySession(synthesize_trace(modes=(Mode.SPEC,))).stream("a", SPEC))
+    full_text = whole[-1].stats.text
+    n = len(_tokens(whole))
+    session = ReplaySession(synthesize_trace(modes=(Mode.SPEC,)))
+    assert not session.can_continue
+    limit = DecodeConfig(max_new_tokens=10)
+
+    cut = list(session.stream("a", limit))
+    end = cut[-1]
+    assert isinstance(end, TurnFinished) and end.stats.stop_reason == "max_tokens"
+    assert len(_tokens(cut)) == end.stats.tokens == 10
+    assert end.stats.text == "".join(t.text for t in _tokens(cut)) == session.messages[-1][1]
+    assert full_text.startswith(end.stats.text) and end.stats.text != full_text
+    # every round record follows its tokens; a round the limit cut counts only what it kept
+    rounds = [e for e in cut if isinstance(e, RoundEvent)]
+    assert end.stats.rounds == len(rounds)
+    assert end.stats.accepted == sum(r.accepted for r in rounds)
+    assert sum(t.provenance is Provenance.ACCEPTED for t in _tokens(cut)) == end.stats.accepted
+    assert session.can_continue
+
+    pieces = [end.stats.text]
+    played = 10
+    while session.can_continue:
+        more = list(session.continue_reply(limit))
+        assert isinstance(more[0], TurnStarted)
+        fin = more[-1]
+        assert isinstance(fin, TurnFinished)
+        added = _tokens(more)
+        assert fin.stats.tokens == len(added) <= 10
+        pieces.append("".join(t.text for t in added))
+        played += len(added)
+        assert fin.stats.text == "".join(pieces) == session.messages[-1][1]
+        assert fin.stats.stop_reason == ("eos" if played == n else "max_tokens")
+    assert played == n and "".join(pieces) == full_text
+    assert [r for r, _ in session.messages] == ["user", "assistant"]  # one reply, grown
+
+
+def test_continue_without_a_cut_reply_fails_and_a_new_turn_ends_the_cut() -> None:
+    session = ReplaySession(synthesize_trace(modes=(Mode.SPEC,)))
+    (failed,) = list(session.continue_reply(SPEC))
+    assert isinstance(failed, Failed) and "no cut reply" in failed.message
+    list(session.stream("a", SPEC))  # the demo replies end well inside the default limit
+    assert not session.can_continue
+    assert isinstance(list(session.continue_reply(SPEC))[0], Failed)
+    list(session.stream("b", DecodeConfig(max_new_tokens=5)))
+    assert session.can_continue
+    list(session.stream("c", SPEC))
+    assert not session.can_continue
+    list(session.regenerate(DecodeConfig(max_new_tokens=5)))
+    assert session.can_continue
+    session.reset()
+    assert not session.can_continue
+
+
+def test_a_cancelled_continuation_keeps_the_whole_reply_and_cannot_continue() -> None:
+    session = ReplaySession(synthesize_trace(modes=(Mode.SPEC,)))
+    first = list(session.stream("a", DecodeConfig(max_new_tokens=6)))[-1].stats.text
+    cancel = threading.Event()
+    events = []
+    for ev in session.continue_reply(SPEC, cancel):
+        events.append(ev)
+        if isinstance(ev, RoundEvent):
+            cancel.set()
+    end = events[-1]
+    assert isinstance(end, Cancelled)
+    assert end.tokens == len(_tokens(events)) > 0
+    assert end.text == first + "".join(t.text for t in _tokens(events))
+    assert session.messages[-1] == ("assistant", end.text)
+    assert not session.can_continue
+
+
+def test_a_cut_inside_a_character_is_completed_by_the_continuation() -> None:
+    turn = synthesize_turn("Voilà café", seed=3)
+    tokens = _tokens(turn)
+    split = next(i for i, t in enumerate(tokens) if t.text == "")  # "" then "à"
+    session = ReplaySession(turn)
+    cut = list(session.stream("a", DecodeConfig(max_new_tokens=split + 1)))
+    assert cut[-1].stats.text == "".join(t.text for t in tokens[: split + 1])
+    rest = list(session.continue_reply(SPEC))
+    assert rest[-1].stats.text == "Voilà café"
