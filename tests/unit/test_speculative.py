@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
-from specchat.engine.config import DecodeConfig, Mode
+from specchat.engine.config import DecodeConfig, Mode, QuantMode
 from specchat.engine.events import Provenance, RoundEvent, TokenEvent, TurnFinished
 from specchat.engine.loading import layer_truncated
 from specchat.engine.runner import ModelRunner
-from specchat.engine.sampling import logits_to_probs
 from specchat.engine.session import ChatSession
 from specchat.engine.speculative import ModelDrafter, speculative_round
 from tests.tinymodels import loaded, tiny_llama, tiny_tokenizer
@@ -93,7 +90,8 @@ def test_provenance_and_probabilities(target: torch.nn.Module) -> None:
     _, events = reply(session(target), "Once upon a time", mode=Mode.SPEC, k=3, max_new_tokens=40)
     tokens = [e for e in events if isinstance(e, TokenEvent)]
     kinds = {t.provenance for t in tokens}
-    assert kinds <= {Provenance.ACCEPTED, Provenance.CORRECTED, Provenance.BONUS}
+    # Greedy and seeded: this reply has all three kinds (13 accepted, 26 corrected, 1 bonus).
+    assert kinds == {Provenance.ACCEPTED, Provenance.CORRECTED, Provenance.BONUS}
     for t in tokens:
         assert t.p_target is not None and 0.0 < t.p_target <= 1.0
         if t.provenance is Provenance.CORRECTED:
@@ -108,49 +106,54 @@ def test_provenance_and_probabilities(target: torch.nn.Module) -> None:
         assert sum(t.provenance is Provenance.ACCEPTED for t in in_round) == r.accepted
 
 
-def test_cache_rollback_equals_fresh_forward(target: torch.nn.Module) -> None:
+@pytest.mark.parametrize("quant_mode", [QuantMode.NONE, QuantMode.INT8, QuantMode.W8A8])
+def test_cache_rollback_equals_fresh_forward(quant_mode: QuantMode) -> None:
+    """After a round that refuses drafts, both caches hold the accepted prefix and nothing else.
+
+    With batch-invariant kernels (int8, w8a8) a token's logits do not depend on
+    how many tokens were fed with it (engine/runner.py), so the rolled-back
+    caches must give, bit for bit, the logits of a fresh forward. float32
+    GEMMs are not batch-invariant (~1e-6, tests/unit/test_attention.py): there
+    the logits agree to 1e-5, and the part of the cache the round never
+    rewrote must still be bit for bit what it was.
+    """
+    from specchat.engine import quant
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> None:
+        if quant_mode is QuantMode.NONE:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(a, b), f"differs by {(a - b).abs().max()}"
+
+    target = quant.apply(tiny_llama(seed=0, layers=4), quant_mode)
+    # The draft shares the target's first 3 layers, and with them the row-wise attention
+    # the target's runner turns on (a truncated copy's layers read the original's config).
+    draft = layer_truncated(target, 3)
     tok = tiny_tokenizer()
     seq = tok("Speculative decoding drafts tokens", add_special_tokens=False)["input_ids"]
-    runner = ModelRunner(target, torch.device("cpu"))
-    drafter = ModelDrafter(ModelRunner(tiny_llama(seed=3, layers=2), torch.device("cpu")))
+    cpu = torch.device("cpu")
+    runner = ModelRunner(target, cpu)
+    drafter = ModelDrafter(ModelRunner(draft, cpu))
     runner.prefill(seq)
+    untouched = len(seq) - 1  # the round re-feeds the last token of seq, then the drafts
+    before = [
+        (layer.keys[:, :, :untouched].clone(), layer.values[:, :, :untouched].clone())
+        for layer in runner.cache.layers
+    ]
     res = speculative_round(runner, drafter, seq, 5, DecodeConfig(), None)
+    assert 0 < res.accepted < 5, "the round must refuse a draft after accepting some"
     assert runner.cached == len(seq) + res.accepted
+    assert drafter.runner.cached == len(seq) + res.accepted
+    for layer, (keys, values) in zip(runner.cache.layers, before, strict=True):
+        assert layer.get_seq_length() == runner.cached
+        assert torch.equal(layer.keys[:, :, :untouched], keys)
+        assert torch.equal(layer.values[:, :, :untouched], values)
     new_seq = seq + [e.token_id for e in res.tokens]
-    rolled = runner.forward(new_seq, keep=1)[-1]
-    fresh = ModelRunner(target, torch.device("cpu")).forward(new_seq, keep=1)[-1]
-    torch.testing.assert_close(rolled, fresh, rtol=1e-5, atol=1e-5)
+    same(runner.forward(new_seq)[-1], ModelRunner(target, cpu).forward(new_seq)[-1])
+    same(drafter.runner.forward(new_seq)[-1], ModelRunner(draft, cpu).forward(new_seq)[-1])
     # And an explicit crop back to a shorter prefix.
     runner.crop_to(len(seq) - 2)
-    again = runner.forward(seq, keep=1)[-1]
-    fresh2 = ModelRunner(target, torch.device("cpu")).forward(seq, keep=1)[-1]
-    torch.testing.assert_close(again, fresh2, rtol=1e-5, atol=1e-5)
-
-
-def test_sampled_speculative_follows_the_target_distribution() -> None:
-    """End to end on a tiny model: the first token of a round vs the target's next-token law.
-
-    Temperature 1.5 and top-k 12 flatten the tiny model enough for a
-    chi-square test; seed 99, N = 3,000 rounds with K = 2, fails below p = 1e-3.
-    """
-    tgt = tiny_llama(seed=0, layers=2)
-    drf = tiny_llama(seed=5, layers=1)
-    cfg = DecodeConfig(temperature=1.5, top_k=12)
-    tok = tiny_tokenizer()
-    seq = tok("Once upon a time", add_special_tokens=False)["input_ids"]
-    runner = ModelRunner(tgt, torch.device("cpu"))
-    drafter = ModelDrafter(ModelRunner(drf, torch.device("cpu")))
-    expected = logits_to_probs(runner.forward(seq)[-1], cfg.temperature, cfg.top_k).double().numpy()
-    g = torch.Generator().manual_seed(99)
-    n = 3000
-    firsts = [
-        speculative_round(runner, drafter, seq, 2, cfg, g).tokens[0].token_id for _ in range(n)
-    ]
-    support = np.flatnonzero(expected > 0)
-    counts = np.bincount(firsts, minlength=len(expected))
-    assert counts[expected == 0].sum() == 0
-    exp = expected[support] / expected[support].sum() * n
-    assert chisquare(counts[support], exp).pvalue > 1e-3
+    same(runner.forward(seq)[-1], ModelRunner(target, cpu).forward(seq)[-1])
 
 
 @pytest.mark.parametrize(
