@@ -84,6 +84,30 @@ def perturbed(model: LlamaForCausalLM, scale: float, seed: int = 1) -> LlamaForC
     return copy.requires_grad_(False)
 
 
+def widened(model: LlamaForCausalLM, extra: int) -> LlamaForCausalLM:
+    """model with `extra` token ids appended, each scoring twice what one of its ids scores.
+
+    Extra id vocab + i has twice the head row (and the embedding) of id i, so
+    it outranks id i wherever that id scores above 0: the extra ids carry
+    much of the mass. On the first vocab_size ids it computes what model
+    computes; fitted to model's vocabulary (the extra ids cut), its
+    distribution is model's.
+    """
+    vocab = int(model.config.vocab_size)
+    config = model.config.to_dict()
+    config["vocab_size"] = vocab + extra
+    wide = LlamaForCausalLM(LlamaConfig(**config)).eval()
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, tensor in wide.state_dict().items():
+            if tensor.shape == state[name].shape:
+                tensor.copy_(state[name])
+            else:  # the embedding and the head: the first `vocab` rows are model's
+                tensor[:vocab] = state[name]
+                tensor[vocab:] = 2 * state[name][:extra]
+    return wide.requires_grad_(False)
+
+
 def loaded(model: torch.nn.Module, role: str = "target", tokenizer: object = None) -> LoadedModel:
     tok = tokenizer or tiny_tokenizer()
     device = torch.device("cpu")

@@ -29,7 +29,7 @@ from specchat.engine.config import DecodeConfig
 from specchat.engine.runner import ModelRunner
 from specchat.engine.sampling import logits_to_probs, sample
 from specchat.engine.speculative import ModelDrafter, accept_or_resample, speculative_round
-from tests.tinymodels import perturbed, tiny_llama
+from tests.tinymodels import perturbed, tiny_llama, widened
 
 ALPHA = 1e-3  # every p-value must be above this; a wrong rule must push one below it
 MIN_EXPECTED = 5.0  # cells expected below this are pooled (the chi-square approximation)
@@ -128,7 +128,7 @@ def run_rule(
     rounds = []
     for d in drafts:
         n_acc, last = rule(p_target, p_draft, d, g)
-        rounds.append([*d[:n_acc].tolist(), last])
+        rounds.append([*d[: int(n_acc)].tolist(), int(last)])
     return rounds
 
 
@@ -237,6 +237,43 @@ def test_every_position_of_a_round_follows_the_target(
     for j, (p, used, reached) in enumerate(e2e_pvalues(rounds, e2e_models[0])):
         assert used >= 0.7 * reached, f"position {j}: only {used} of {reached} rounds tested"
         assert p > ALPHA, f"position {j}: chi-square p = {p:.2e}"
+
+
+def test_a_draft_with_more_token_ids_drafts_as_its_fit_to_the_target_vocabulary(
+    e2e_models: tuple[torch.nn.Module, torch.nn.Module],
+) -> None:
+    """A draft with 4 ids the target lacks rounds exactly as the same draft without them.
+
+    The wide draft is the draft above plus 4 ids that hold 30% or more of its
+    processed mass after the prompt; fitted to the target's 16 ids before
+    sampling, its rows are the narrow draft's. Seed 9, N = 300 rounds of
+    K = 3: the emitted tokens must be identical round for round, so the
+    per-position exactness shown for the narrow draft holds for the wide one.
+    """
+    target, narrow = e2e_models
+    wide = widened(narrow, 4)
+    cpu = torch.device("cpu")
+    fitted_away = logits_to_probs(
+        ModelRunner(wide, cpu).forward(E2E_PROMPT)[-1],
+        E2E_CFG.temperature,
+        E2E_CFG.top_k,
+        E2E_CFG.top_p,
+    )[E2E_VOCAB:].sum()
+    assert fitted_away >= 0.3, "the extra ids must matter for the test to mean anything"
+
+    def rounds(draft: torch.nn.Module) -> Rounds:
+        runner = ModelRunner(target, cpu)
+        drafter = ModelDrafter(ModelRunner(draft, cpu), vocab=E2E_VOCAB)
+        g = torch.Generator().manual_seed(9)
+        return [
+            [
+                e.token_id
+                for e in speculative_round(runner, drafter, E2E_PROMPT, K, E2E_CFG, g).tokens
+            ]
+            for _ in range(300)
+        ]
+
+    assert rounds(wide) == rounds(narrow)
 
 
 # -- the statistics reject wrong rules ----------------------------------------------------

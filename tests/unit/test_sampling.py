@@ -90,7 +90,7 @@ def first_token_pvalue(k: int, n: int = 20_000, seed: int = 1234) -> float:
     firsts = []
     for i in range(n):
         n_acc, extra = speculative.accept_or_resample(pt, pd, drafts[i], g)
-        firsts.append(int(drafts[i, 0]) if n_acc > 0 else extra)
+        firsts.append(int(drafts[i, 0]) if int(n_acc) > 0 else int(extra))
     counts = np.bincount(firsts, minlength=8)
     return float(chisquare(counts, n * P_TARGET.numpy()).pvalue)
 
