@@ -38,6 +38,43 @@ def tiny_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
     )
 
 
+# Qwen's ChatML layout: each message as <|im_start|>role\ncontent<|im_end|>\n, and
+# add_generation_prompt opens the assistant's turn.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@functools.cache
+def chatml_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character and newline, the ChatML specials, a chat template.
+
+    Any sequence of character tokens decodes to text that encodes back to the
+    same ids, so a reply's tokens are what the next turn's rendering holds:
+    the conversation so far is a prefix of every later turn's prompt.
+    <|im_end|> ends a reply (eos).
+    """
+    from tokenizers import Tokenizer, decoders, models
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.add_special_tokens(specials)
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
 def tiny_llama(
     seed: int = 0,
     layers: int = 4,
@@ -45,8 +82,9 @@ def tiny_llama(
     vocab: int | None = None,
     intermediate: int = 128,
     max_positions: int = 256,
+    tokenizer: PreTrainedTokenizerFast | None = None,
 ) -> LlamaForCausalLM:
-    tok = tiny_tokenizer()
+    tok = tokenizer or tiny_tokenizer()
     config = LlamaConfig(
         vocab_size=vocab or len(tok),
         hidden_size=hidden,
