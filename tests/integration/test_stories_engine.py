@@ -159,8 +159,23 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("mode", ["plain", "spec", "lookup"])
+# Each trace must show the provenance kinds its mode produces (greedy, so fixed): the
+# draft is the target itself, so spec accepts every draft (no correction); lookup needs
+# a prompt that repeats itself and 32 tokens before its copies are accepted and refused.
+TRACES = {
+    "plain": ("Once upon a time", 16, {"target"}),
+    "spec": ("Once upon a time", 16, {"accepted", "bonus"}),
+    "lookup": (
+        "Tom and Lily went to the park. Tom and Lily",
+        32,
+        {"accepted", "bonus", "corrected", "target"},  # target: rounds with no match
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", list(TRACES))
 def test_generate_command_json_trace(mode: str) -> None:
+    prompt, n, want = TRACES[mode]
     out = cli(
         "generate",
         "--target",
@@ -170,9 +185,9 @@ def test_generate_command_json_trace(mode: str) -> None:
         "--mode",
         mode,
         "--prompt",
-        "Once upon a time",
+        prompt,
         "--max-new-tokens",
-        "16",
+        str(n),
         "--json",
         "--k",
         "3",
@@ -182,13 +197,8 @@ def test_generate_command_json_trace(mode: str) -> None:
     types = [e["type"] for e in events]
     assert types[0] in ("LoadProgress", "Ready") and types[-1] == "TurnFinished"
     tokens = [e for e in events if e["type"] == "TokenEvent"]
-    assert len(tokens) == 16
-    want = {
-        "plain": {"target"},
-        "spec": {"accepted", "bonus", "corrected"},
-        "lookup": {"accepted", "bonus", "corrected", "target"},  # target: rounds with no match
-    }[mode]
-    assert {t["provenance"] for t in tokens} <= want
+    assert len(tokens) == n
+    assert {t["provenance"] for t in tokens} == want
     assert "Loading weights" not in out.stderr
 
 
