@@ -16,6 +16,8 @@ K_CYCLE: tuple[int | None, ...] = (None, 1, 2, 3, 4, 6, 8)
 TEMPERATURE_CYCLE: tuple[float, ...] = (0.0, 0.3, 0.7, 1.0)
 TOP_P_CYCLE: tuple[float, ...] = (1.0, 0.95, 0.9, 0.8)
 BUDGET_CYCLE: tuple[float, ...] = (0.99, 0.95, 0.9, 0.8)
+LIMIT_CYCLE: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192)  # reply limits, in tokens
+LIMIT_KEY = "ctrl+l"
 
 
 def next_in(cycle: tuple, value: object) -> object:  # type: ignore[type-arg]
@@ -24,6 +26,11 @@ def next_in(cycle: tuple, value: object) -> object:  # type: ignore[type-arg]
         return cycle[(cycle.index(value) + 1) % len(cycle)]
     except ValueError:
         return cycle[0]
+
+
+def next_limit(limit: int) -> int:
+    """The next larger reply limit of LIMIT_CYCLE (from the largest, the smallest)."""
+    return next((n for n in LIMIT_CYCLE if n > limit), LIMIT_CYCLE[0])
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,8 @@ ACTIONS: tuple[Action, ...] = (
     Action("shift+f9", "cycle_top_p", "top-p", "Next top-p", "1.0 (off), 0.95, 0.9, 0.8", show=False),
     Action("shift+f5", "cycle_budget", "Budget", "Next early-exit budget",
            "Top-1 agreement kept by early exit: 0.99, 0.95, 0.9, 0.8", show=False),
+    Action(LIMIT_KEY, "cycle_limit", "Limit", "Next reply limit",
+           "Most tokens in one reply: 256, 512, 1024, 2048, 4096, 8192", show=False),
     Action("ctrl+g", "plain_toggle", "Plain", "Roll back to plain decoding",
            "Switch to plain decoding now; again to return to the previous mode"),
     Action("f1", "help", "Help", "Help", "Keys, provenance styles, A/B and settings file"),
@@ -77,5 +86,7 @@ PALETTE_ONLY: tuple[Action, ...] = (
       for p in TOP_P_CYCLE),
     *(Action("", f"set_budget({b})", "", f"Early-exit budget: {b:g}", f"Keep {b:.0%} top-1 agreement with the full target")
       for b in BUDGET_CYCLE),
+    *(Action("", f"set_limit({n})", "", f"Reply limit: {n} tokens", f"Stop a reply after {n} tokens")
+      for n in LIMIT_CYCLE),
     Action("", "settings_path", "", "Settings file", "Show where settings are saved"),
 )

@@ -633,6 +633,13 @@ class SpecChatApp(App[None]):
     def action_cycle_budget(self) -> None:
         self.action_set_budget(actions.next_in(actions.BUDGET_CYCLE, self.state.decode.exit_budget))  # type: ignore[arg-type]
 
+    def action_set_limit(self, n: int) -> None:
+        self._set_decode(max_new_tokens=int(n))
+        self.notify(f"Reply limit: {self.state.decode.max_new_tokens} tokens")
+
+    def action_cycle_limit(self) -> None:
+        self.action_set_limit(actions.next_limit(self.state.decode.max_new_tokens))
+
     # -- palette ---------------------------------------------------------
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:

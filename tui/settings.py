@@ -21,7 +21,7 @@ replaced by its default; the rest of the file still applies.
     temperature = 0.0
     top_p = 1.0
     top_k = 0
-    max_new_tokens = 256
+    max_new_tokens = 2048          # reply limit; a reply it cuts says so and can continue
     exit_budget = 0.95
     seed = 1234                    # optional
 """
@@ -43,6 +43,11 @@ from specchat.themes import DEFAULT_THEME
 CONFIG_ENV = "SPECCHAT_CONFIG"
 PANELS = ("acceptance", "latency", "devices", "early-exit")
 VIEWS = ("markdown", "tokens")
+
+# A chat reply runs to its end of sequence (or the end of the context): the
+# limit only guards against a model that rambles. `specchat generate` and the
+# benchmarks keep DecodeConfig's shorter default.
+CHAT_MAX_NEW_TOKENS = 2048
 
 # [decode] keys and the DecodeConfig field each one sets.
 _DECODE_KEYS = (
@@ -69,7 +74,7 @@ def config_path() -> Path:
 
 @dataclass
 class Settings:
-    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    decode: DecodeConfig = field(default_factory=lambda: DecodeConfig(max_new_tokens=CHAT_MAX_NEW_TOKENS))
     theme: str = DEFAULT_THEME
     view: str = "markdown"
     panels: tuple[str, ...] = ("acceptance", "latency")

@@ -11,7 +11,7 @@ from tui_helpers import SIZE, make_app, ready
 from specchat.engine.config import DecodeConfig, Mode
 from specchat.tui.cli import build_parser
 from specchat.tui.commands import chat
-from specchat.tui.settings import Settings, SettingsStore, config_path
+from specchat.tui.settings import CHAT_MAX_NEW_TOKENS, Settings, SettingsStore, config_path
 from specchat.tui.widgets.transcript import Note
 
 
@@ -27,6 +27,8 @@ def test_missing_file_gives_defaults(tmp_path: Path) -> None:
     store = SettingsStore(tmp_path / "none.toml")
     assert store.load() == Settings()
     assert store.problems == [] and not store.corrupt
+    # a chat reply runs to its end: the limit is far above DecodeConfig's headless default
+    assert Settings().decode.max_new_tokens == CHAT_MAX_NEW_TOKENS > DecodeConfig().max_new_tokens
 
 
 def test_values_apply_and_bad_ones_fall_back(tmp_path: Path) -> None:
@@ -48,7 +50,13 @@ def test_values_apply_and_bad_ones_fall_back(tmp_path: Path) -> None:
         "my/target",
     )
     assert s.decode == DecodeConfig(
-        mode=Mode.EARLY_EXIT, k=3, temperature=0.7, top_p=0.9, exit_budget=0.9, seed=7
+        mode=Mode.EARLY_EXIT,
+        k=3,
+        temperature=0.7,
+        top_p=0.9,
+        exit_budget=0.9,
+        seed=7,
+        max_new_tokens=CHAT_MAX_NEW_TOKENS,
     )
     assert any("max_new_tokens" in p for p in store.problems)
     assert any("colour" in p for p in store.problems)
@@ -91,6 +99,17 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     assert not isinstance(app, int)
     assert app.state.decode.mode is Mode.SPEC  # the flag
     assert app.state.decode.temperature == 0.5  # the file
+    assert app.state.decode.max_new_tokens == CHAT_MAX_NEW_TOKENS  # the chat's default
+    path.write_text("[decode]\nmax_new_tokens = 512\n")
+    from_file = chat.build_app(
+        build_parser().parse_args(["chat", "--config", str(path), "--replay", __file__])
+    )
+    assert not isinstance(from_file, int) and from_file.state.decode.max_new_tokens == 512
+    flagged = build_parser().parse_args(
+        ["chat", "--config", str(path), "--max-new-tokens", "300", "--replay", __file__]
+    )
+    from_flag = chat.build_app(flagged)
+    assert not isinstance(from_flag, int) and from_flag.state.decode.max_new_tokens == 300
     bad = build_parser().parse_args(["chat", "--config", str(path), "--temperature", "-1"])
     assert chat.build_app(bad) == 2
     missing = build_parser().parse_args(["chat", "--replay", str(tmp_path / "nope.jsonl")])
@@ -121,11 +140,11 @@ async def test_app_saves_changes(tmp_path: Path) -> None:
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         assert not path.exists()  # starting does not write
-        await pilot.press("f7", "f8", "f4", "ctrl+t")
+        await pilot.press("f7", "f8", "f4", "ctrl+t", "ctrl+l")
         app.theme = "specchat-okabe-ito"
         await pilot.pause()
     data = tomllib.loads(path.read_text())
-    assert data["decode"] == {"mode": "self-spec", "k": 1}
+    assert data["decode"] == {"mode": "self-spec", "k": 1, "max_new_tokens": 4096}
     assert data["theme"] == "specchat-okabe-ito"
     assert data["view"] == "tokens"
     assert data["panels"] == ["acceptance", "latency", "devices"]

@@ -8,20 +8,27 @@ from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import ProgressBar, Static
 
-from specchat.engine.config import DecodeConfig
+from specchat.engine.config import DecodeConfig, Mode
 from specchat.engine.events import LoadProgress
 
 
 def describe_decode(cfg: DecodeConfig) -> str:
+    """The settings the next reply decodes with; the exit budget only where it applies."""
     k = "auto" if cfg.k is None else str(cfg.k)
     temp = "greedy" if cfg.greedy else f"T {cfg.temperature:g}"
     parts = [f"mode {cfg.mode.value}", f"K {k}", temp, f"top-p {cfg.top_p:g}"]
-    parts.append(f"exit budget {cfg.exit_budget:g}")
+    if cfg.mode is Mode.EARLY_EXIT:
+        parts.append(f"exit budget {cfg.exit_budget:g}")
+    parts.append(f"limit {cfg.max_new_tokens} tok")
     return " · ".join(parts)
 
 
 class StatusLine(Widget):
-    """specchat · models · decode settings · state."""
+    """specchat · models · decode settings · state.
+
+    On a narrow terminal the decode settings give way (cut with an ellipsis)
+    so that the state, "generating… (esc stops)" say, always shows.
+    """
 
     DEFAULT_CSS = "StatusLine { height: 1; }"
 
@@ -32,10 +39,17 @@ class StatusLine(Widget):
     def render(self) -> Text:
         out = Text(" specchat ", style="bold reverse", end="")
         out.append(f" {self.models} ")
-        out.append("│", style="dim")
-        out.append(f" {self.decode} ")
-        out.append("│", style="dim")
-        out.append(f" {self.state}", style="bold")
+        middle = Text("│", style="dim", end="")
+        middle.append(f" {self.decode} ")
+        tail = Text("│", style="dim", end="")
+        tail.append(f" {self.state}", style="bold")
+        room = self.size.width - out.cell_len - tail.cell_len
+        if self.size.width and room < middle.cell_len:
+            middle.truncate(room - 1, overflow="ellipsis")  # the last cell: a space before the │
+            middle.append(" ")
+        if room > 2:
+            out.append_text(middle)
+        out.append_text(tail)
         return out
 
 
