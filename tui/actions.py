@@ -17,6 +17,7 @@ TEMPERATURE_CYCLE: tuple[float, ...] = (0.0, 0.3, 0.7, 1.0)
 TOP_P_CYCLE: tuple[float, ...] = (1.0, 0.95, 0.9, 0.8)
 BUDGET_CYCLE: tuple[float, ...] = (0.99, 0.95, 0.9, 0.8)
 LIMIT_CYCLE: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192)  # reply limits, in tokens
+CONTINUE_KEY = "ctrl+o"  # named in the notice under a reply the limit cut
 LIMIT_KEY = "ctrl+l"
 
 
@@ -46,6 +47,8 @@ class Action:
 ACTIONS: tuple[Action, ...] = (
     Action("escape", "stop", "Stop", "Stop the reply", "Cancel the reply in flight; the session stays usable"),
     Action("ctrl+n", "new_chat", "New chat", "New conversation", "Forget the conversation and the statistics"),
+    Action(CONTINUE_KEY, "continue_reply", "Continue", "Continue the cut reply",
+           "Decode more of the last reply, which the reply limit cut; esc stops it"),
     Action("ctrl+r", "ab", "A/B", "A/B against plain decoding",
            "Regenerate the last reply with plain decoding (same seed and temperature) and show where they differ"),
     Action("ctrl+t", "toggle_view", "Markdown/tokens", "Toggle Markdown / tokens view",
@@ -70,7 +73,7 @@ ACTIONS: tuple[Action, ...] = (
            "Most tokens in one reply: 256, 512, 1024, 2048, 4096, 8192", show=False),
     Action("ctrl+g", "plain_toggle", "Plain", "Roll back to plain decoding",
            "Switch to plain decoding now; again to return to the previous mode"),
-    Action("f1", "help", "Help", "Help", "Keys, provenance styles, A/B and settings file"),
+    Action("f1", "help", "Help", "Help", "Keys, provenance styles, long replies, A/B and settings file"),
 )
 
 PALETTE_ONLY: tuple[Action, ...] = (
@@ -86,7 +89,8 @@ PALETTE_ONLY: tuple[Action, ...] = (
       for p in TOP_P_CYCLE),
     *(Action("", f"set_budget({b})", "", f"Early-exit budget: {b:g}", f"Keep {b:.0%} top-1 agreement with the full target")
       for b in BUDGET_CYCLE),
-    *(Action("", f"set_limit({n})", "", f"Reply limit: {n} tokens", f"Stop a reply after {n} tokens")
+    *(Action("", f"set_limit({n})", "", f"Reply limit: {n} tokens",
+             f"Stop a reply after {n} tokens; {CONTINUE_KEY} continues a cut reply")
       for n in LIMIT_CYCLE),
     Action("", "settings_path", "", "Settings file", "Show where settings are saved"),
 )

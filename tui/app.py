@@ -4,6 +4,8 @@ Message flow (see tui/messages.py):
 
     load worker ── LoadUpdated* ── BackendReady | BackendFailed ──▶ app
     prompt ⏎ ──▶ generate worker: backend.stream(prompt, config, cancel)
+                 (ctrl+r: backend.regenerate; ctrl+o: backend.continue_reply,
+                 streamed into the reply the limit cut)
                  ── GenerationStarted, RoundsCompleted (batches), EngineNotice,
                     GenerationEnded ──▶ app ──▶ reply widget, metrics, panels
     probe thread ── SystemSampled ──▶ app ──▶ devices panel
@@ -92,8 +94,10 @@ class SpecChatApp(App[None]):
     CSS_PATH = "app.tcss"
     TITLE = "specchat"
     BINDINGS = [
-        Binding(a.key, a.action, a.label, show=a.show, tooltip=a.help)
-        for a in actions.ACTIONS
+        *(Binding(a.key, a.action, a.label, show=a.show, tooltip=a.help) for a in actions.ACTIONS),
+        # ctrl+o is in the footer and the palette only while the last reply can go on (see
+        # check_action); pressed at any other time, this hidden binding says why not
+        Binding(actions.CONTINUE_KEY, "continue_reply(True)", show=False),
     ]
 
     def __init__(
@@ -198,6 +202,7 @@ class SpecChatApp(App[None]):
         self._busy_id = reply_id
         if self._started:
             self.query_one(PromptInput).hold_still(reply_id is not None)
+            self.refresh_bindings()  # ctrl+o: shown only while nothing streams
 
     # -- loading ---------------------------------------------------------
 
@@ -283,6 +288,8 @@ class SpecChatApp(App[None]):
         return cfg
 
     def _new_reply(self, *, label: str = "assistant") -> ReplyView:
+        for earlier in self._replies.values():
+            earlier.set_continuable(False)  # only the last reply of a conversation can go on
         self._next_id += 1
         reply = ReplyView(self._next_id, label=label, view=self.view)
         self._replies[reply.reply_id] = reply
@@ -332,6 +339,8 @@ class SpecChatApp(App[None]):
                 submitted = time.perf_counter()
                 if kind == "regenerate":
                     events = backend.regenerate(config, cancel)
+                elif kind == "continue":
+                    events = backend.continue_reply(config, cancel)
                 else:
                     events = backend.stream(prompt, config, cancel)
                 for ev in events:  # run the stream to its end: the engine may tidy up after the last event
@@ -432,14 +441,17 @@ class SpecChatApp(App[None]):
         if reply is None:
             return
         outcome = message.outcome
+        cut = isinstance(outcome, TurnFinished) and outcome.stats.stop_reason == "max_tokens"
+        reply.set_continuable(cut and reply is self._last_reply())
         reply.finish(outcome)
         self.state.metrics.observe(outcome)
-        if isinstance(outcome, Failed):
+        if isinstance(outcome, Failed) and not reply.continued:
             prompt = self._prompts.get(message.reply_id)
             if prompt:
                 self.query_one(PromptInput).restore(prompt)
-        if reply.ab_of is not None and isinstance(outcome, TurnFinished):
+        if reply.ab_of is not None and isinstance(outcome, TurnFinished) and not reply.continued:
             self._finish_ab(reply.ab_of, reply)
+        self.refresh_bindings()  # a cut reply brings ctrl+o into the footer
         self._refresh_panels()  # the reply's final figures at once
 
     # -- actions ---------------------------------------------------------
@@ -469,11 +481,46 @@ class SpecChatApp(App[None]):
         if self.backend is not None:
             self.query_one(StatusLine).state = "ready"
         self.query_one(PromptInput).focus()
+        self.refresh_bindings()
         self.notify("New conversation.")
 
     def _last_reply(self) -> ReplyView | None:
         replies = self.query_one(Transcript).replies
         return replies[-1] if replies else None
+
+    def _continuable(self) -> ReplyView | None:
+        """The last reply, if the reply limit cut it and it can go on now."""
+        if self.backend is None or self._busy is not None:
+            return None
+        reply = self._last_reply()
+        if reply is None or not reply.cut or not getattr(self.backend, "can_continue", False):
+            return None
+        return reply
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "continue_reply" and not parameters:
+            return self._continuable() is not None
+        return True
+
+    def action_continue_reply(self, explain: bool = False) -> None:
+        """Stream more of the last reply into the same widget, if the reply limit cut it; else say why.
+
+        `explain` marks the hidden ctrl+o binding, which check_action always lets through.
+        """
+        reply = self._continuable()
+        if reply is None:
+            if self._busy is not None:
+                self.notify("A reply is streaming: wait for its end, or esc stops it.", title="Continue")
+            else:
+                self.notify(
+                    "Nothing to continue: only the last reply, when the reply limit cut it, can go on.",
+                    title="Continue",
+                )
+            return
+        config = self._turn_config()
+        reply.resume(config)
+        self._follow()
+        self._start(reply, "continue", None, config)
 
     def action_ab(self) -> None:
         if self.backend is None or self._busy is not None:
@@ -645,6 +692,8 @@ class SpecChatApp(App[None]):
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
         for a in (*actions.ACTIONS, *actions.PALETTE_ONLY):
+            if self.check_action(a.action, ()) is False:
+                continue  # not possible now (continue with no cut reply), as in the footer
             title = f"{a.title} ({a.key})" if a.key else a.title
             yield SystemCommand(title, a.help, lambda action=a.action: self.run_action(action))
 

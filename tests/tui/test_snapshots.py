@@ -12,6 +12,7 @@ from typing import Any
 from textual.pilot import Pilot
 from tui_helpers import FIXED_SAMPLE, SIZE, make_app, ready, send
 
+from specchat.engine.config import DecodeConfig
 from specchat.engine.events import Provenance
 from specchat.tui.messages import SystemSampled
 from specchat.tui.widgets.reply import ReplyView
@@ -76,3 +77,15 @@ def test_okabe_ito_theme(snap_compare: Any) -> None:
         terminal_size=(120, 36),
         run_before=_spec_reply_in_tokens_view,
     )
+
+
+def test_a_cut_reply_says_so_and_offers_to_continue(snap_compare: Any) -> None:
+    """The notice under a reply the limit cut, the limit in the top line, ctrl+o in the footer."""
+
+    async def run_before(pilot: Pilot) -> None:
+        await ready(pilot)
+        await send(pilot, "What is speculative decoding?")
+        await _settle(pilot)
+
+    app = make_app(decode=DecodeConfig(max_new_tokens=24))
+    assert snap_compare(app, terminal_size=(120, 30), run_before=run_before)

@@ -91,6 +91,15 @@ class GatedSession:
     ) -> Iterator[Any]:
         return self._gated(self.inner.regenerate(config, cancel), cancel)
 
+    def continue_reply(
+        self, config: DecodeConfig, cancel: threading.Event | None = None
+    ) -> Iterator[Any]:
+        return self._gated(self.inner.continue_reply(config, cancel), cancel)
+
+    @property
+    def can_continue(self) -> bool:
+        return self.inner.can_continue
+
     def reset(self) -> None:
         self.inner.reset()
 
@@ -119,6 +128,15 @@ class ExplodingSession:
         self, config: DecodeConfig, cancel: threading.Event | None = None
     ) -> Iterator[Any]:
         return self.stream("", config, cancel)
+
+    def continue_reply(
+        self, config: DecodeConfig, cancel: threading.Event | None = None
+    ) -> Iterator[Any]:
+        return self.stream("", config, cancel)
+
+    @property
+    def can_continue(self) -> bool:
+        return False
 
     def reset(self) -> None:
         pass

@@ -1,4 +1,4 @@
-"""F1: keys, provenance styles, what A/B does, where settings live."""
+"""F1: keys, provenance styles, long replies, what A/B does, where settings live."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from textual.widgets import Markdown
 
 from specchat.engine.events import Provenance
 
-from ..actions import ACTIONS
+from ..actions import ACTIONS, CONTINUE_KEY, LIMIT_CYCLE, LIMIT_KEY
 from .tokens import DESCRIPTIONS, LABELS, TEXT_STYLES
 
 
@@ -48,6 +48,16 @@ reply, **v** Markdown/tokens for that reply, **esc** back to the prompt.
 The inspector shows p_target, p_draft, the refused draft token of a
 correction, the exit layer and confidence of an early exit, and the round.
 
+## Long replies
+
+A reply runs until the model ends it, or until the **reply limit** (shown as
+`limit` in the top line; **{LIMIT_KEY}** or the palette sets it to
+{", ".join(str(n) for n in LIMIT_CYCLE)}, the settings file or
+`--max-new-tokens` to any number). A reply the limit cut says so under its
+text; **{CONTINUE_KEY}** continues the last one in place, up to the limit
+again, and **esc** stops the continuation like any reply. A reply also ends
+when the context window is full.
+
 ## A/B
 
 **ctrl+r** answers the last prompt again with plain decoding (mode plain,
@@ -59,7 +69,7 @@ reply B as the answer in the conversation: the next turn continues from it.
 
 ## Settings
 
-Mode, K, temperature, top-p, budget, panels, view and theme are saved to
+Mode, K, temperature, top-p, budget, reply limit, panels, view and theme are saved to
 `{settings_path}` (or `$SPECCHAT_CONFIG`); command-line flags override them.
 """
 

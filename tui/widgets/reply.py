@@ -1,4 +1,8 @@
-"""One assistant reply: tokens styled by provenance, or rendered Markdown."""
+"""One assistant reply: tokens styled by provenance, or rendered Markdown.
+
+A reply the reply limit cut says so under its text; the last one can be
+continued (ctrl+o), which streams the continuation into the same widget.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from specchat.engine.events import (
     TurnStarted,
 )
 
+from ..actions import CONTINUE_KEY
 from .token_body import STILL_VIRTUAL_SIZE, TokenBody
 
 __all__ = ["ReplyView", "TokenBody"]
@@ -53,6 +58,9 @@ class ReplyView(Vertical):
         self.config: DecodeConfig | None = None
         self.cursor: int | None = None
         self.ab_of: ReplyView | None = None  # set on the plain reply of an A/B comparison
+        self.continuable = False  # cut by the limit and still the conversation's last reply
+        self.continued = 0  # continuations streamed into this reply
+        self._tokens_before = 0  # tokens the engine counted before the continuation streaming now
         self._markdown: Markdown | None = None  # mounted the first time the reply shows as Markdown
         self._markdown_text: str | None = None
         self._mounted = False
@@ -71,6 +79,12 @@ class ReplyView(Vertical):
     @property
     def finished(self) -> bool:
         return self.outcome is not None
+
+    @property
+    def cut(self) -> bool:
+        """Whether the reply limit stopped the reply (it may be continued)."""
+        out = self.outcome
+        return isinstance(out, TurnFinished) and out.stats.stop_reason == "max_tokens"
 
     @property
     def text(self) -> str:
@@ -97,10 +111,39 @@ class ReplyView(Vertical):
         self.outcome = outcome
         self.set_class(isinstance(outcome, Cancelled), "-cancelled")
         self.set_class(isinstance(outcome, Failed), "-failed")
+        self.set_class(self.cut, "-cut")
         self._sync()
+
+    def resume(self, config: DecodeConfig) -> None:
+        """Stream a continuation of this cut reply: its tokens stay, the new ones follow."""
+        if isinstance(self.outcome, TurnFinished):
+            self._tokens_before += self.outcome.stats.tokens
+        self.outcome = None
+        self.config = config
+        self.continued += 1
+        self.continuable = False
+        self.remove_class("-cancelled", "-failed", "-cut")
+        self._sync()
+
+    def set_continuable(self, continuable: bool) -> None:
+        """Whether the cut notice names the key that continues the reply."""
+        if continuable != self.continuable:
+            self.continuable = continuable
+            self._sync()
 
     def _status(self) -> Text:
         outcome = self.outcome
+        if isinstance(outcome, TurnFinished):
+            reason = outcome.stats.stop_reason
+            if reason == "max_tokens":
+                limit = self.config.max_new_tokens if self.config else outcome.stats.tokens
+                msg = Text(f"✂ cut at the reply limit of {limit} tokens", style="italic")
+                if self.continuable:
+                    msg.append(f" · {CONTINUE_KEY} continues", style="bold")
+                return msg
+            if reason == "context":
+                return Text("✂ cut: the context window is full", style="italic")
+            return Text("")
         if isinstance(outcome, Cancelled):
             return Text(f"■ stopped after {len(self.tokens)} tokens", style="italic")
         if isinstance(outcome, Failed):
@@ -121,9 +164,10 @@ class ReplyView(Vertical):
         except NoMatches:
             return
         header.update(self._header(), layout=False)  # always one line
-        show_status = self.outcome is not None and not isinstance(self.outcome, TurnFinished)
+        text = self._status()
+        show_status = bool(text.plain)
         if show_status or status.display:
-            status.update(self._status())
+            status.update(text)
             status.display = show_status
         body.sync()
         self._apply_view()
@@ -184,7 +228,7 @@ class ReplyView(Vertical):
         out = self.outcome
         if isinstance(out, TurnFinished):
             s = out.stats
-            parts.append(f"{s.tokens} tok")
+            parts.append(f"{self._tokens_before + s.tokens} tok")
             parts.append(f"{s.tokens_per_s:.1f} tok/s")
             parts.append(f"TTFT {s.ttft_s * 1000:.0f} ms")
             if s.acceptance_rate is not None:
