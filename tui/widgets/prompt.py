@@ -54,7 +54,7 @@ class PromptInput(Input):
             self._blink_held = self.cursor_blink
             self.cursor_blink = False
             return
-        self.cursor_blink, self._blink_held = self._blink_held, None
+        self.cursor_blink, self._blink_held = bool(self._blink_held), None
         if self.cursor_blink:
             # Textual resumes the timer at any phase, and even without focus
             if self.has_focus:
