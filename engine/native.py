@@ -2,14 +2,15 @@
 
 torch's own extension builder compiles them with the machine's C++ compiler
 (gcc or clang, with ninja) into the cache folder, keyed by a hash of the
-source, the compiler flags and the torch version, so a build happens once per
-machine and source; later processes load the built library in milliseconds.
+source, the compiler flags, the torch version and the architecture, so a
+build happens once per machine and source; later processes load the built library in milliseconds.
 The kernels register with torch (`torch.ops.specchat.w4a8_linear`,
 `torch.classes.specchat.Decoder`): no Python module,
 no pybind11, and parallel loops run on torch's own thread pool.
 
 A machine that cannot build them (no compiler; w4a8 also needs x86 with
-AVX2) gets a `QuantizationError` that says why and what to use instead.
+AVX2, FMA and F16C, read from the CPU by engine/cpu.py) gets a
+`QuantizationError` that says why and what to use instead.
 Nothing here is required: the other quantization modes need no kernel of
 ours, and without the decoder kernel decoding runs through transformers'
 modules (engine/decoder.py), slower but with the same results.
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from . import cpu
 from .errors import QuantizationError
 
 _CSRC = Path(__file__).with_name("csrc")
@@ -38,27 +40,52 @@ _FLAGS = {
 _NEEDS_AVX2 = {"w4a8"}
 _lock = threading.Lock()
 _built: dict[str, str] = {}  # kernel -> library path, once loaded in this process
+_failed: dict[str, QuantizationError] = {}  # kernel -> why its build failed in this process
 
 
-def cpu_supports(kernel: str) -> str | None:
-    """Why this CPU cannot run `kernel`, or None when it can."""
+def cpu_supports(kernel: str, have: cpu.CpuFeatures | None = None) -> str | None:
+    """Why this CPU (or one that has `have`) cannot run `kernel`, or None when it can.
+
+    Decided from the instruction sets the CPU reports (engine/cpu.py), not from
+    torch's dispatch level, which ATEN_CPU_CAPABILITY can lower.
+    """
     if kernel not in _NEEDS_AVX2:
         return None
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"the {kernel} kernel is for x86-64 CPUs; this is {platform.machine()}"
-    capability = torch.backends.cpu.get_cpu_capability()
-    if not capability.startswith("AVX"):  # "AVX2", "AVX512"; "DEFAULT" means neither
-        return f"the {kernel} kernel needs AVX2; torch reports this CPU as {capability}"
+    have = have or cpu.features()
+    if not have.x86:
+        return f"the {kernel} kernel is for x86-64 CPUs; this is {have.machine}"
+    if not have.avx2:
+        lacking = [f for f in ("avx2", "fma3", "f16c") if not have.has(f)]
+        return f"the {kernel} kernel needs AVX2, FMA and F16C; this CPU lacks {', '.join(lacking)}"
     return None
 
 
+def unavailable(kernel: str) -> str | None:
+    """Why `kernel` cannot be used here (CPU, compiler, build), or None once it is loaded.
+
+    Builds it if need be (once per machine); a build that failed is not tried again in
+    this process.
+    """
+    try:
+        load(kernel)
+    except QuantizationError as exc:
+        return exc.message
+    return None
+
+
+def _others() -> str:
+    """The CPU modes that need no kernel of ours and run on this machine."""
+    return "int8 or int4" if cpu.fbgemm_unavailable() else "w8a8 or int8"
+
+
 def build_dir(kernel: str) -> Path:
-    """Where `kernel` is built: one folder per source, flags and torch version."""
+    """Where `kernel` is built: one folder per source, flags, torch version and architecture."""
     from .fetch import cache_root
 
     key = hashlib.sha256(_SOURCES[kernel].read_bytes())
     key.update(" ".join(_FLAGS[kernel]).encode())
     key.update(torch.__version__.encode())
+    key.update(platform.machine().encode())  # a cache folder shared by x86 and ARM machines
     return cache_root() / "kernels" / f"{kernel}-{key.hexdigest()[:16]}"
 
 
@@ -78,14 +105,47 @@ def _put_ninja_on_path() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+def _compiler() -> str:
+    """The C++ compiler command torch's builder calls: $CXX (may be "ccache g++"), else c++."""
+    return os.environ.get("CXX", "").strip() or "c++"
+
+
+def _build_error(exc: BaseException) -> str:
+    """The line of a failed build that says what went wrong (the compiler's own error where
+    there is one, not ninja's closing "build stopped")."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    for line in lines:
+        if "error:" in line.lower():  # gcc's and clang's "error:", "fatal error:"
+            return line
+    for line in lines:
+        if "not found" in line or "No such file" in line:
+            return line
+    return lines[-1] if lines else type(exc).__name__
+
+
 def load(kernel: str) -> None:
     """Compile (once per machine) and load `kernel`; raise QuantizationError if it cannot be."""
     with _lock:
         if kernel in _built:
             return
+        if kernel in _failed:  # the same answer, without a second build
+            raise QuantizationError(_failed[kernel].message, hint=_failed[kernel].hint)
         reason = cpu_supports(kernel)
         if reason:
-            raise QuantizationError(reason, hint="use w8a8 or int8")
+            raise QuantizationError(reason, hint=f"use {_others()}")
+        hint = (
+            "it needs a C++ compiler (gcc or clang) and ninja"
+            + (f"; or use {_others()}, which need neither" if kernel == "w4a8" else "")
+            + ". SPECCHAT_VERBOSE_BUILD=1 shows the compiler's output"
+        )
+        if not is_built(kernel) and shutil.which(_compiler().split()[0]) is None:
+            error = QuantizationError(
+                f"could not build the {kernel} kernel: no C++ compiler "
+                f"({_compiler()!r} is not on PATH; $CXX names another)",
+                hint=hint,
+            )
+            _failed[kernel] = error
+            raise error
         _put_ninja_on_path()
         folder = build_dir(kernel)
         folder.mkdir(parents=True, exist_ok=True)
@@ -102,10 +162,9 @@ def load(kernel: str) -> None:
                 verbose=bool(os.environ.get("SPECCHAT_VERBOSE_BUILD")),
             )
         except (RuntimeError, OSError, ImportError) as exc:  # no compiler, no ninja, bad build
-            raise QuantizationError(
-                f"could not build the {kernel} kernel: {str(exc).strip().splitlines()[-1]}",
-                hint="it needs a C++ compiler (gcc or clang) and ninja"
-                + ("; or use w8a8 or int8, which need neither" if kernel == "w4a8" else "")
-                + ". SPECCHAT_VERBOSE_BUILD=1 shows the compiler's output",
-            ) from exc
+            error = QuantizationError(
+                f"could not build the {kernel} kernel: {_build_error(exc)}", hint=hint
+            )
+            _failed[kernel] = error
+            raise error from exc
         _built[kernel] = str(library)

@@ -17,12 +17,23 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from specchat.engine import decoder, native, quant
 from specchat.engine.config import ModelSpec, QuantMode
+from specchat.engine.cpu import fbgemm_unavailable
 from specchat.engine.loading import has_fbgemm
 from specchat.engine.runner import ModelRunner
 from tests.stories import load_stories, needs_stories
 from tests.tinymodels import tiny_llama
 
-W4A8_OK = native.cpu_supports("w4a8") is None
+
+@pytest.fixture(scope="module")
+def decoder_kernel() -> None:
+    """The decoder kernel, compiled once per machine (any CPU, but a C++ compiler); the tests
+    that compare against it skip with the reason where it cannot be built."""
+    reason = native.unavailable("decoder")
+    if reason:
+        pytest.skip(f"the decoder kernel cannot be built here: {reason}")
+
+
+needs_decoder = pytest.mark.usefixtures("decoder_kernel")
 
 
 def tiny_qwen2(dtype: torch.dtype = torch.float32, hidden: int = 128) -> Qwen2ForCausalLM:
@@ -75,18 +86,22 @@ def same_everywhere(model: torch.nn.Module, prompt: list[int]) -> None:
         assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
 
 
+@needs_decoder
 def test_llama_float32_is_bit_identical() -> None:
     same_everywhere(tiny_llama(), list(range(3, 40)))
 
 
+@needs_decoder
 def test_qwen2_with_biases_and_tied_head_is_bit_identical() -> None:
     same_everywhere(tiny_qwen2(), list(range(3, 40)))
 
 
+@needs_decoder
 def test_bfloat16_is_bit_identical() -> None:
     same_everywhere(tiny_qwen2(torch.bfloat16), list(range(3, 40)))
 
 
+@needs_decoder
 def test_cache_growth_inside_a_native_pass() -> None:
     """A prompt that fills the first buffer, then steps that make it double."""
     model = tiny_llama()
@@ -98,15 +113,19 @@ def test_cache_growth_inside_a_native_pass() -> None:
         assert torch.equal(fast.feed([tok], keep=1), slow.feed([tok], keep=1))
 
 
-@pytest.mark.skipif(not W4A8_OK, reason=str(native.cpu_supports("w4a8")))
+@needs_decoder
 def test_w4a8_groups_are_bit_identical() -> None:
     """Quantized q/k/v and gate/up groups (with Qwen2's biases on the group's parts)."""
+    reason = native.unavailable("w4a8")  # x86 with AVX2, and a compiler
+    if reason:
+        pytest.skip(f"the w4a8 kernel cannot be used here: {reason}")
     model = quant.apply(tiny_qwen2(hidden=128), QuantMode.W4A8, lm_head=False)
     attn = model.model.layers[0].self_attn
     assert isinstance(attn.q_proj, quant.SharedInputMember)
     same_everywhere(model, list(range(3, 40)))
 
 
+@needs_decoder
 @pytest.mark.parametrize("mode", [QuantMode.INT8, QuantMode.INT4])
 def test_weight_only_int8_and_int4_are_bit_identical(mode: QuantMode) -> None:
     """bfloat16 activations inside, float32 outside, as the modules do."""
@@ -115,7 +134,8 @@ def test_weight_only_int8_and_int4_are_bit_identical(mode: QuantMode) -> None:
     same_everywhere(model, list(range(3, 40)))
 
 
-@pytest.mark.skipif(not has_fbgemm(), reason="w8a8 needs fbgemm, which this torch lacks")
+@needs_decoder
+@pytest.mark.skipif(not has_fbgemm(), reason=f"w8a8 needs fbgemm: {fbgemm_unavailable()}")
 def test_w8a8_groups_are_bit_identical() -> None:
     """fbgemm's packed weights reach the C++ as the object the modules call."""
     model = quant.apply(tiny_qwen2(hidden=128), QuantMode.W8A8, lm_head=False)
@@ -141,6 +161,7 @@ def test_the_environment_can_turn_it_off(monkeypatch: pytest.MonkeyPatch) -> Non
     assert runner.native is None and decoder.ENV in runner.native_off
 
 
+@needs_decoder
 def test_first_pass_and_long_blocks_take_the_modules_path() -> None:
     fast, _ = pair(tiny_llama())
     assert fast.native is not None
@@ -152,6 +173,7 @@ def test_first_pass_and_long_blocks_take_the_modules_path() -> None:
     assert not fast.native.usable(fast.cache, fast.cached, 1)
 
 
+@needs_decoder
 @needs_stories
 def test_real_weights_are_bit_identical() -> None:
     model, tok = load_stories()
@@ -196,6 +218,43 @@ def test_a_failed_build_is_reported_and_decoding_still_works(
     assert runner.feed([4]).shape == (1, runner.vocab)
 
 
+def test_a_machine_without_a_compiler_is_told_so_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No compiler on PATH: the error says so before ninja runs, and a second load in the
+    same process gives the same answer without trying again."""
+    from torch.utils import cpp_extension
+
+    from specchat.engine.errors import QuantizationError
+
+    calls: list[object] = []
+    monkeypatch.setattr(native, "_built", {})
+    monkeypatch.setattr(native, "_failed", {})
+    monkeypatch.setattr(native, "is_built", lambda kernel: False)
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: calls.append(kw))
+    monkeypatch.setenv("CXX", "/nonexistent/specchat-test-c++")
+    for _ in range(2):
+        with pytest.raises(QuantizationError, match="no C[+][+] compiler") as info:
+            native.load("decoder")
+        assert "/nonexistent/specchat-test-c++" in info.value.message
+        assert "C++ compiler" in info.value.hint
+    assert calls == []
+
+
+def test_a_failed_build_names_the_compilers_error() -> None:
+    text = (
+        "Error building extension 'specchat_decoder': [1/2] c++ -Werror -c decoder.cpp\n"
+        "FAILED: decoder.o\ndecoder.cpp:9:10: fatal error: torch/library.h: No such file\n"
+        "ninja: build stopped: subcommand failed.\n"
+    )
+    got = native._build_error(RuntimeError(text))
+    assert got == "decoder.cpp:9:10: fatal error: torch/library.h: No such file"
+    missing = (
+        "Error building extension 'x': [1/2] /opt/c++ -c a.cpp\n"
+        "/bin/sh: 1: /opt/c++: not found\nninja: build stopped: subcommand failed."
+    )
+    assert native._build_error(RuntimeError(missing)) == "/bin/sh: 1: /opt/c++: not found"
+
+
+@needs_decoder
 def test_early_exit_layer_ranges_are_bit_identical() -> None:
     """The early-exit stack runs layer ranges (exit points, the self-speculative draft)."""
     from specchat.engine.early_exit import LayerStack
@@ -229,6 +288,7 @@ def test_a_refusal_from_the_cpp_side_falls_back(monkeypatch: pytest.MonkeyPatch)
     assert runner.native is None and runner.native_off == "wrong number of weight tensors"
 
 
+@needs_decoder
 def test_the_early_exit_stack_shares_its_runners_decoder() -> None:
     """Steppers are made every turn: they must not build a second decoder each time."""
     from specchat.engine.early_exit import EarlyExitStepper, ExitPolicy, LayerStack
