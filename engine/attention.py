@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -123,4 +123,11 @@ def use_rowwise_attention(model: PreTrainedModel) -> bool:
     if not supports_rowwise(model):
         return False
     model.set_attn_implementation(NAME)
+    # Layers shared with another model (a draft made of a target's first layers) read
+    # that model's config: shared layers have one attention path, and row-wise is valid
+    # for both, so the other config switches too (else the copy's blocks took SDPA).
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if isinstance(config, PretrainedConfig) and config is not model.config:
+            config._attn_implementation = NAME
     return True

@@ -309,3 +309,28 @@ def test_only_a_cut_reply_can_be_continued(target: torch.nn.Module) -> None:
     s = make(target)
     stats = finished(list(s.stream("hello", DecodeConfig(max_new_tokens=30, stop=(base[4:7],)))))
     assert stats.stats.stop_reason == "stop_string" and not s.can_continue
+
+
+# -- a draft made of a model's first layers ---------------------------------------
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_a_layer_truncated_draft_scores_row_wise_like_its_runner_says(
+    native: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The truncated copy shares the layers, whose attention reads the original's config:
+    switching only the copy's config left its layers on SDPA (block != single rows)."""
+    from specchat.engine import quant
+    from specchat.engine.config import QuantMode
+    from tests.tinymodels import tiny_llama as fresh
+
+    monkeypatch.setenv("SPECCHAT_NATIVE_DECODER", native)
+    model = fresh(seed=2, layers=4)
+    quant.apply(model, QuantMode.W8A8)
+    runner = ModelRunner(layer_truncated(model, 2), torch.device("cpu"))
+    seq = list(range(5, 25))
+    runner.prefill(seq)
+    block = runner.feed(seq[-1:] + [7, 8, 9], keep=4)
+    runner.crop_to(len(seq) - 1)
+    rows = torch.cat([runner.feed([t], keep=1) for t in seq[-1:] + [7, 8, 9]])
+    assert torch.equal(block, rows)
