@@ -18,7 +18,10 @@ Modes:
   transformers' `BitsAndBytesConfig`, quantized while loading. bitsandbytes
   0.50 runs both on the CPU as well as on CUDA (on a CPU without AVX512-BF16
   it dequantizes to the compute dtype and calls a float matmul, so it saves
-  memory, not time).
+  memory, not time). On an AVX512-BF16 CPU it repacks each 4-bit layer for its
+  own kernel on first use, which takes in_features % 64 == 0 and
+  out_features % 32 == 0 only; `apply` keeps other layers on the dequantizing
+  path, so bnb-nf4 loads any shape on any CPU.
 - `int8`: weight-only int8, one symmetric scale per output channel, through
   torch's `_weight_int8pack_mm` CPU kernel (activations in bf16). fbgemm's
   dynamic int8 is faster but quantizes activations too, which costs as many
@@ -30,13 +33,15 @@ Modes:
 - `w8a8`: the `int8` weights, and activations quantized to 8 bits per token,
   through fbgemm's integer GEMM (`quantized::linear_dynamic`): 2-4x faster
   than the weight-only kernels on AVX2, and a block of K+1 tokens costs little
-  more than one. fbgemm picks one activation range for the whole input; each
-  row is first mapped affinely onto [0, 1] (its own min to 0, its own max to
-  exactly 1), so that shared range is [0, 1] whatever the other rows hold,
-  and the map is undone on the output (`Int8DynamicLinear`).
+  more than one. Needs fbgemm: an x86 torch build and an AVX2 CPU. fbgemm
+  picks one activation range for the whole input; each row is first mapped
+  affinely onto [0, 1] (its own min to 0, its own max to exactly 1), so that
+  shared range is [0, 1] whatever the other rows hold, and the map is undone
+  on the output (`Int8DynamicLinear`).
 - `w4a8`: int4 weights with a scale and a minimum per group of 32 input
   channels, activations quantized to int8 per 32 values, through specchat's
-  own AVX2 kernel (csrc/w4a8.cpp, compiled on first use by engine/native.py).
+  own AVX2 kernel (csrc/w4a8.cpp, compiled on first use by engine/native.py;
+  x86-64 with AVX2, FMA and F16C, and a C++ compiler).
   Half the bytes of int8 per token and a kernel that streams them: 2-3x
   fbgemm's speed on one layer at one row, ~1.5x per decode step of the 1.5B;
   a block of K+1 rows costs more than fbgemm's,
@@ -46,6 +51,10 @@ All the post-load kernels compute every output row from its own input row
 only (checked bit for bit in the tests), so a quantized target gives the same
 logits for a token whether it is verified in a block of K+1 or decoded alone:
 speculative decoding stays exact with respect to the target as loaded.
+
+Which modes run here is decided from the CPU's own flags (engine/cpu.py) and
+from what the libraries will do on it; a mode that cannot run is refused by
+`check` with a `QuantizationError` and a hint, never left to crash in a library.
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from . import cpu
 from .config import QuantMode
 from .errors import QuantizationError
 
@@ -177,6 +187,9 @@ class Int8DynamicLinear(_QuantizedLinear):
     weight_sums: torch.Tensor  # [N] float32, row sums of the dequantized weight
 
     def __init__(self, linear: nn.Linear) -> None:
+        reason = cpu.fbgemm_unavailable()
+        if reason:  # fbgemm would refuse inside torch, or torch would not know the engine
+            raise QuantizationError(f"w8a8 cannot run here: {reason}", hint="use int8 or int4")
         super().__init__(linear)
         q, scales = quantize_int8(linear.weight.detach(), W8A8_WEIGHT_MAX)
         scales64 = scales.double()
@@ -190,8 +203,10 @@ class Int8DynamicLinear(_QuantizedLinear):
                 self._packed = torch.ops.quantized.linear_prepack(qweight, None)
             finally:
                 torch.backends.quantized.engine = engine
-        # AVX2 adds pairs of u8 * s8 products in int16 with saturation: 8-bit activations
-        # need weights within +-63, 8-bit weights need 7-bit activations (reduce_range).
+        # Without VNNI fbgemm adds pairs of u8 * s8 products in int16 with saturation
+        # (`fbgemm_saturates_pair_sums`): 8-bit activations need weights within +-63,
+        # 8-bit weights need 7-bit activations (reduce_range). The same grid everywhere,
+        # so a model gives the same logits on every x86 CPU.
         self.reduce_range = W8A8_WEIGHT_MAX > 63
         self.packed_bytes = q.numel() + 8 * self.out_features  # fbgemm's copy, not a buffer
         # Integer row sums are exact (|sum| <= 127 K); one rounding when scaled.
@@ -210,6 +225,16 @@ class Int8DynamicLinear(_QuantizedLinear):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             "int8 per-channel weights, int8 per-token activations"
         )
+
+
+def fbgemm_saturates_pair_sums(have: cpu.CpuFeatures | None = None) -> bool:
+    """Whether fbgemm's u8 x s8 GEMM adds product pairs in saturating int16 on this CPU.
+
+    fbgemm picks its kernel from the CPU: with AVX512-VNNI, vpdpbusd accumulates
+    each group of four products in int32 and nothing saturates; on AVX2 and
+    AVX-512 without VNNI, vpmaddubsw sums pairs into int16 with saturation.
+    """
+    return not (have or cpu.features()).avx512_vnni
 
 
 @torch.no_grad()
@@ -427,16 +452,38 @@ def _installed(package: str) -> bool:
 
 
 def _bnb_packs_4bit_for_cpu() -> bool:
-    """Whether bitsandbytes repacks 4-bit weights for its AVX512-BF16 CPU kernel.
+    """Whether bitsandbytes repacks 4-bit weights for its AVX512-BF16 CPU kernel here.
 
-    That layout needs in_features % 64 == 0 and out_features % 32 == 0;
-    without AVX512-BF16, bitsandbytes dequantizes and any shape works.
+    bitsandbytes' own answer (it asks the CPU in its native library), so the
+    decision is the one it will take. That layout needs in_features % 64 == 0
+    and out_features % 32 == 0; without AVX512-BF16, bitsandbytes dequantizes
+    and any shape works.
     """
     try:
         from bitsandbytes.functional import has_avx512bf16
     except ImportError:
         return False
     return bool(has_avx512bf16())
+
+
+# bitsandbytes' per-layer switch: Linear4bit packs for its CPU kernel on first use when it is set.
+BNB_PACK_SWITCH = "support_avx512bf16_for_cpu"
+BNB_PACK_ROWS = 32  # output rows bitsandbytes' CPU layout interleaves
+
+
+def _bnb_can_keep_layers_unpacked() -> bool:
+    """Whether this bitsandbytes has the per-layer switch `apply` turns off for odd shapes."""
+    try:
+        from bitsandbytes.nn import Linear4bit
+
+        return hasattr(Linear4bit(64, BNB_PACK_ROWS, bias=False), BNB_PACK_SWITCH)
+    except Exception:  # an unknown bitsandbytes: treat it as unable
+        return False
+
+
+def bnb_cpu_packable(in_features: int, out_features: int, block_size: int = BNB_BLOCK_SIZE) -> bool:
+    """Whether bitsandbytes' packed CPU layout takes a [out_features, in_features] weight."""
+    return in_features % block_size == 0 and out_features % BNB_PACK_ROWS == 0
 
 
 def _first_bad(
@@ -527,13 +574,19 @@ class _BitsAndBytes(_Handler):
                     f"{self.mode} needs the '{package}' package, which is not installed",
                     hint=f"pip install {package}, or choose another --quant",
                 )
-        if self.mode is QuantMode.BNB_NF4 and device.type == "cpu" and _bnb_packs_4bit_for_cpu():
+        if (
+            self.mode is QuantMode.BNB_NF4
+            and device.type == "cpu"
+            and _bnb_packs_4bit_for_cpu()
+            and not _bnb_can_keep_layers_unpacked()
+        ):
             shapes = [s for s in linear_shapes(config) if not s.is_lm_head]
-            bad = _first_bad(shapes, in_multiple=BNB_BLOCK_SIZE, out_multiple=32)
+            bad = _first_bad(shapes, in_multiple=BNB_BLOCK_SIZE, out_multiple=BNB_PACK_ROWS)
             if bad is not None:
                 raise QuantizationError(
-                    f"bnb-nf4 on the CPU needs every Linear's in_features to be a multiple of "
-                    f"{BNB_BLOCK_SIZE} and out_features of 32; {bad.name} is "
+                    f"bnb-nf4 on this CPU (AVX512-BF16, where bitsandbytes repacks 4-bit "
+                    f"weights) needs every Linear's in_features to be a multiple of "
+                    f"{BNB_BLOCK_SIZE} and out_features of {BNB_PACK_ROWS}; {bad.name} is "
                     f"{bad.in_features} -> {bad.out_features}",
                     hint="use int4 or int8 on the CPU, or bnb-nf4 on CUDA",
                 )
@@ -555,6 +608,34 @@ class _BitsAndBytes(_Handler):
             config = BitsAndBytesConfig(load_in_8bit=True)
         target = f"cuda:{device.index or 0}" if device.type == "cuda" else "cpu"
         return {"quantization_config": config, "device_map": {"": target}}
+
+    def apply(
+        self, model: nn.Module, lm_head: bool, group_size: int, progress: StepProgress | None = None
+    ) -> nn.Module:
+        """Keep 4-bit layers whose shape bitsandbytes' packed CPU layout cannot take on its
+        dequantizing path (it would crash repacking them on an AVX512-BF16 CPU)."""
+        if self.mode is not QuantMode.BNB_NF4 or not _installed("bitsandbytes"):
+            return model
+        from bitsandbytes.nn import Linear4bit
+
+        for name, module in model.named_modules():
+            if not isinstance(module, Linear4bit):
+                continue
+            state = getattr(module.weight, "quant_state", None)
+            block = int(getattr(state, "blocksize", BNB_BLOCK_SIZE))
+            if bnb_cpu_packable(module.in_features, module.out_features, block):
+                continue
+            if not hasattr(module, BNB_PACK_SWITCH):
+                if _bnb_packs_4bit_for_cpu():
+                    raise QuantizationError(
+                        f"bitsandbytes would repack {name} ({module.in_features} -> "
+                        f"{module.out_features}) for its CPU kernel, which cannot take that "
+                        "shape, and this version cannot be told not to",
+                        hint="use int4 or int8 on the CPU, or bnb-nf4 on CUDA",
+                    )
+                continue
+            setattr(module, BNB_PACK_SWITCH, False)
+        return model
 
 
 class _PostLoad(_Handler):
@@ -658,11 +739,9 @@ class _Int8Dynamic(_SharedInputs):
     def check(
         self, config: PretrainedConfig, device: torch.device, lm_head: bool, group_size: int
     ) -> None:
-        if "fbgemm" not in torch.backends.quantized.supported_engines:
-            raise QuantizationError(
-                "w8a8 needs fbgemm (x86 CPUs), which this torch build does not have",
-                hint="use int8 or int4",
-            )
+        reason = cpu.fbgemm_unavailable()
+        if reason:
+            raise QuantizationError(f"w8a8 needs fbgemm: {reason}", hint="use int8 or int4")
 
     def module(self, linear: nn.Linear, group_size: int) -> nn.Module:
         return Int8DynamicLinear(linear)

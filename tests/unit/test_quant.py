@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from specchat.engine import quant
+from specchat.engine import cpu, quant
 from specchat.engine.config import QuantMode
 from specchat.engine.errors import QuantizationError
 
@@ -69,6 +70,15 @@ def float_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def skip_unless_it_runs_here(mode: QuantMode) -> None:
+    """Skip, with the product's own reason, a mode this machine cannot run (fbgemm needs an
+    x86 AVX2 CPU; the w4a8 kernel also needs a compiler: checking builds it once)."""
+    try:
+        quant.check(mode, tiny_config(), CPU)
+    except QuantizationError as exc:
+        pytest.skip(f"{mode} does not run here ({cpu.features().summary()}): {exc.message}")
+
+
 def load(path: Path, mode: QuantMode, group_size: int = 32) -> nn.Module:
     config = LlamaConfig.from_pretrained(path)
     quant.check(mode, config, CPU, group_size=group_size)
@@ -99,6 +109,7 @@ def greedy(model: nn.Module, n: int = NEW_TOKENS) -> tuple[list[int], torch.Tens
 
 @pytest.mark.parametrize("mode", list(QuantMode))
 def test_mode_loads_decodes_and_stays_close(float_dir: Path, mode: QuantMode) -> None:
+    skip_unless_it_runs_here(mode)
     reference = LlamaForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
     model = load(float_dir, mode)
     # Decode the float model's own tokens, so both see the same sequence.
@@ -126,6 +137,7 @@ def test_quantized_linears_are_batch_invariant(mode: QuantMode) -> None:
     Rows of very different ranges and offsets, one with an outlier: a shared
     activation scale (fbgemm's own choice) would change every other row.
     """
+    skip_unless_it_runs_here(mode)
     torch.manual_seed(1)
     model = quant.apply(nn.Sequential(nn.Linear(256, 96, bias=True)), mode, group_size=64)
     x = torch.randn(9, 256) * torch.logspace(-2, 2, 9)[:, None] + torch.randn(9, 1)
@@ -141,6 +153,7 @@ def test_w8a8_per_token_activation_error_bound() -> None:
     """Activations are quantized per token: a row of small values keeps its precision next
     to a row with an outlier (one scale for the block would round it all to zero).
     Measured: 0.012 and 0.008 relative error per row."""
+    skip_unless_it_runs_here(QuantMode.W8A8)
     torch.manual_seed(3)
     linear = nn.Linear(256, 64, bias=False)
     q, scales = quant.quantize_int8(linear.weight.detach(), quant.W8A8_WEIGHT_MAX)
@@ -234,24 +247,121 @@ def test_apply_leaves_load_time_modes_alone() -> None:
 # --------------------------------------------------------------------------- refusals
 
 
-def test_bnb_nf4_cpu_kernel_needs_multiples_of_64(monkeypatch: pytest.MonkeyPatch) -> None:
+def linear4bits(model: nn.Module) -> dict[str, Any]:
+    """bitsandbytes' 4-bit layers by name."""
+    from bitsandbytes.nn import Linear4bit
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, Linear4bit)}
+
+
+def test_bitsandbytes_packs_exactly_where_the_cpu_has_avx512_bf16() -> None:
+    """The product asks bitsandbytes what it will do; the tests pick branches from the CPU's
+    flags. Both must agree, or a branch below would be tested on the wrong machine."""
+    assert quant._bnb_packs_4bit_for_cpu() == cpu.features().avx512_bf16, cpu.features().summary()
+
+
+def test_bnb_nf4_keeps_layers_the_packed_kernel_cannot_take_off_it(tmp_path: Path) -> None:
+    """On an AVX512-BF16 CPU bitsandbytes sets its per-layer switch on every 4-bit layer and,
+    on the first call, repacks the weights for its kernel; for a 96-wide layer that repacking
+    fails inside bitsandbytes (`shape '[96, 1]' is invalid for input of size 144`, a
+    reshape, before any BF16 instruction). Here the switch is set as bitsandbytes sets it
+    there, so the crash is the real one on any CPU: `apply` must turn it off for those layers."""
+    tiny_model(tiny_config(hidden=96, intermediate=160)).save_pretrained(tmp_path)
+    config = LlamaConfig.from_pretrained(tmp_path)
+    quant.check(QuantMode.BNB_NF4, config, CPU)  # any shape is accepted: apply copes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = LlamaForCausalLM.from_pretrained(
+            tmp_path, dtype=torch.float32, **quant.load_kwargs(QuantMode.BNB_NF4, CPU)
+        ).eval()
+    layers = linear4bits(model)
+    assert len(layers) == 2 * 7
+    for module in layers.values():  # as on an AVX512-BF16 CPU
+        setattr(module, quant.BNB_PACK_SWITCH, True)
+    quant.apply(model, QuantMode.BNB_NF4)
+    assert not any(getattr(m, quant.BNB_PACK_SWITCH) for m in layers.values())
+    tokens, logits = greedy(model, n=2)
+    assert len(tokens) == 2 and torch.isfinite(logits).all()
+
+
+def test_bnb_nf4_packs_what_it_can_and_runs_any_shape(tmp_path: Path) -> None:
+    """Mixed shapes: q/k/v/o and gate/up (in 128, out 128/64/96) fit bitsandbytes' packed
+    CPU layout, down_proj (in 96) does not. Each layer's switch says whether bitsandbytes
+    will pack it on this CPU; the model loads and decodes on every CPU."""
+    tiny_model(tiny_config(hidden=128, intermediate=96)).save_pretrained(tmp_path)
+    model = load(tmp_path, QuantMode.BNB_NF4)
+    packs_here = quant._bnb_packs_4bit_for_cpu()
+    layers = linear4bits(model)
+    for name, module in layers.items():
+        fits = quant.bnb_cpu_packable(module.in_features, module.out_features)
+        assert fits == (not name.endswith("down_proj")), name
+        assert bool(getattr(module, quant.BNB_PACK_SWITCH)) == (packs_here and fits), name
+    tokens, logits = greedy(model, n=2)
+    assert len(tokens) == 2 and torch.isfinite(logits).all()
+    if packs_here:  # AVX512-BF16: the fitting layers now run on bitsandbytes' own kernel
+        for name, module in layers.items():
+            packed = bool(getattr(module.weight.quant_state, "packing_format_for_cpu", False))
+            assert packed == (not name.endswith("down_proj")), name
+
+
+@pytest.mark.skipif(
+    not cpu.features().avx512_bf16,
+    reason=f"bitsandbytes repacks 4-bit weights only on AVX512-BF16 ({cpu.features().summary()})",
+)
+def test_bnb_nf4_packed_layers_stay_close_to_float(float_dir: Path) -> None:
+    """On an AVX512-BF16 CPU every layer of the tiny model fits the packed layout, and the
+    packed kernel (bf16 activations) keeps the tolerance the dequantizing path keeps."""
+    reference = LlamaForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
+    model = load(float_dir, QuantMode.BNB_NF4)
+    _, ref_logits = greedy(reference)
+    _, logits = greedy(model)
+    assert all(
+        getattr(m.weight.quant_state, "packing_format_for_cpu", False)
+        for m in linear4bits(model).values()
+    )
+    rel = float((logits - ref_logits).norm() / ref_logits.norm())
+    assert rel <= TOLERANCE[QuantMode.BNB_NF4] + 1e-4, f"relative logit error {rel:.4f}"
+
+
+def test_bnb_nf4_refuses_odd_shapes_where_packing_cannot_be_turned_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bitsandbytes without the per-layer switch, on an AVX512-BF16 CPU: the check refuses
+    the shapes its packed layout cannot take, before anything is loaded."""
     config = tiny_config(hidden=96, intermediate=192)
-    monkeypatch.setattr(quant, "_bnb_packs_4bit_for_cpu", lambda: True)  # an AVX512-BF16 CPU
+    monkeypatch.setattr(quant, "_bnb_packs_4bit_for_cpu", lambda: True)
+    monkeypatch.setattr(quant, "_bnb_can_keep_layers_unpacked", lambda: False)
     with pytest.raises(QuantizationError, match="multiple of 64") as info:
         quant.check(QuantMode.BNB_NF4, config, CPU)
-    assert "is 96 -> " in info.value.message and info.value.hint
+    assert "is 96 -> " in info.value.message and "AVX512-BF16" in info.value.message
+    assert info.value.hint
     quant.check(QuantMode.BNB_NF4, tiny_config(), CPU)  # 64 / 128 pass
     quant.check(QuantMode.BNB_INT8, config, CPU)  # 8-bit has no such rule
 
 
-def test_bnb_nf4_runs_any_shape_without_the_packed_kernel(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    """Without AVX512-BF16 bitsandbytes dequantizes, so 96-wide layers load and run."""
-    monkeypatch.setattr(quant, "_bnb_packs_4bit_for_cpu", lambda: False)
-    tiny_model(tiny_config(hidden=96, intermediate=160)).save_pretrained(tmp_path)
-    tokens, logits = greedy(load(tmp_path, QuantMode.BNB_NF4), n=2)
-    assert len(tokens) == 2 and torch.isfinite(logits).all()
+def test_this_bitsandbytes_can_keep_a_layer_unpacked() -> None:
+    """The switch `apply` turns off exists in the bitsandbytes installed (else the check refuses)."""
+    assert quant._bnb_can_keep_layers_unpacked()
+
+
+def test_a_cpu_without_the_kernels_is_refused_with_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an ARM CPU (as the product sees it) w8a8 and w4a8 say why and what to use instead,
+    at the check and when a module is built directly, instead of failing inside torch."""
+    from specchat.engine import native
+
+    arm = cpu.detect(machine="aarch64", cpuinfo="processor\t: 0\nFeatures\t: fp asimd\n")
+    monkeypatch.setattr(cpu, "features", lambda: arm)
+    monkeypatch.setattr(native, "_built", {})  # nothing loaded in this process
+    with pytest.raises(QuantizationError, match="w8a8 needs fbgemm") as info:
+        quant.check(QuantMode.W8A8, tiny_config(), CPU)
+    assert "int8" in info.value.hint
+    with pytest.raises(QuantizationError, match="w8a8 cannot run here"):
+        quant.Int8DynamicLinear(nn.Linear(64, 16))
+    with pytest.raises(QuantizationError, match="for x86-64 CPUs; this is aarch64") as info:
+        quant.check(QuantMode.W4A8, tiny_config(), CPU)
+    assert info.value.hint == "use int8 or int4"
+    quant.check(QuantMode.INT8, tiny_config(), CPU)  # ATen's kernels: any CPU
+    quant.check(QuantMode.INT4, tiny_config(), CPU)
 
 
 @pytest.mark.parametrize("mode", [QuantMode.BNB_NF4, QuantMode.BNB_INT8])
@@ -302,6 +412,7 @@ def test_int8_needs_in_features_multiple_of_8() -> None:
 def test_w8a8_shared_input_group_equals_separate_projections() -> None:
     """q/k/v (and gate/up) run as one GEMM; each part equals its own w8a8 Linear bit for bit,
     whatever order the parts are asked for in, and a new input is never served stale parts."""
+    skip_unless_it_runs_here(QuantMode.W8A8)
     torch.manual_seed(4)
     projections = [nn.Linear(64, n, bias=b) for n, b in ((64, True), (32, True), (32, False))]
     separate = [quant.Int8DynamicLinear(m) for m in projections]
@@ -318,6 +429,7 @@ def test_w8a8_shared_input_group_equals_separate_projections() -> None:
 
 
 def test_w8a8_fuses_llama_projections(float_dir: Path) -> None:
+    skip_unless_it_runs_here(QuantMode.W8A8)
     model = load(float_dir, QuantMode.W8A8)
     layer = model.model.layers[0]
     q, k, v = layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj
@@ -326,29 +438,65 @@ def test_w8a8_fuses_llama_projections(float_dir: Path) -> None:
     assert isinstance(layer.mlp.down_proj, quant.Int8DynamicLinear)
 
 
-def test_w8a8_never_saturates_avx2_pair_sums(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Worst case for AVX2's int16 pair sums: every activation code 255, every weight at the
-    grid's edge. With weights within +-63 the result is right; 8-bit weights with 8-bit
-    activations (the combination W8A8_WEIGHT_MAX rules out) would saturate."""
+def worst_case_for_pair_sums() -> tuple[nn.Linear, torch.Tensor, float]:
+    """Every activation code 255 but one, every weight at the grid's edge: a pair of
+    products is 2 * 255 * 127 = 64770 > 32767 with 8-bit weights, 32130 with weights
+    within +-63. Returns the layer, the input and the exact output."""
     linear = nn.Linear(256, 16, bias=False)
     with torch.no_grad():
         linear.weight.fill_(0.5)
     x = torch.full((1, 256), 3.0)
     x[0, 0] = -1.0  # u = 1 (code 255) everywhere else
-    want = float(x.sum() * 0.5)
-    layer = quant.Int8DynamicLinear(linear)
-    with torch.no_grad():
-        got = layer(x)
-    assert torch.allclose(got, torch.full_like(got, want), rtol=0.01)
+    return linear, x, float(x.sum() * 0.5)
+
+
+def eight_bit_weights(linear: nn.Linear, monkeypatch: pytest.MonkeyPatch) -> nn.Module:
+    """The combination W8A8_WEIGHT_MAX rules out: 8-bit weights and 8-bit activations."""
     monkeypatch.setattr(quant, "W8A8_WEIGHT_MAX", 127)
     wide = quant.Int8DynamicLinear(linear)
     wide.reduce_range = False
+    return wide
+
+
+def test_w8a8_never_saturates_pair_sums() -> None:
+    """With weights within +-63 the worst case is right on every CPU fbgemm runs on."""
+    skip_unless_it_runs_here(QuantMode.W8A8)
+    linear, x, want = worst_case_for_pair_sums()
     with torch.no_grad():
-        assert not torch.allclose(wide(x), torch.full_like(got, want), rtol=0.01)
+        got = quant.Int8DynamicLinear(linear)(x)
+    assert torch.allclose(got, torch.full_like(got, want), rtol=0.01)
+
+
+@pytest.mark.skipif(
+    not quant.fbgemm_saturates_pair_sums(),
+    reason=f"fbgemm accumulates in int32 on AVX512-VNNI ({cpu.features().summary()})",
+)
+def test_8bit_weights_would_saturate_avx2_pair_sums(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Why W8A8_WEIGHT_MAX is 63: without VNNI, fbgemm's int16 pair sums saturate."""
+    skip_unless_it_runs_here(QuantMode.W8A8)
+    linear, x, want = worst_case_for_pair_sums()
+    with torch.no_grad():
+        got = eight_bit_weights(linear, monkeypatch)(x)
+    assert not torch.allclose(got, torch.full_like(got, want), rtol=0.01)
+
+
+@pytest.mark.skipif(
+    quant.fbgemm_saturates_pair_sums(),
+    reason=f"no AVX512-VNNI: fbgemm sums pairs in int16 here ({cpu.features().summary()})",
+)
+def test_vnni_takes_8bit_weights_without_saturating(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other side of `fbgemm_saturates_pair_sums`: on AVX512-VNNI even 8-bit weights
+    with 8-bit activations are exact, so the CPU's flag names the kernel fbgemm runs."""
+    skip_unless_it_runs_here(QuantMode.W8A8)
+    linear, x, want = worst_case_for_pair_sums()
+    with torch.no_grad():
+        got = eight_bit_weights(linear, monkeypatch)(x)
+    assert torch.allclose(got, torch.full_like(got, want), rtol=0.01)
 
 
 @pytest.mark.parametrize("mode", [QuantMode.INT8, QuantMode.INT4, QuantMode.W8A8, QuantMode.W4A8])
 def test_post_load_modes_report_progress_to_the_last_module(mode: QuantMode) -> None:
+    skip_unless_it_runs_here(mode)
     model = tiny_model(tiny_config())
     linears = sum(isinstance(m, nn.Linear) for m in model.modules())
     calls: list[tuple[int, int]] = []
