@@ -62,9 +62,15 @@ def default_quant(role: str, device: torch.device, params: int | None = None) ->
 
 
 def default_quants(
-    role: str, device: torch.device, params: int | None = None
+    role: str, device: torch.device, params: int | None = None, *, runnable_only: bool = True
 ) -> tuple[QuantMode, ...]:
     """The quantizations to try, best first, when none is asked for; chosen by measurement.
+
+    Decided from what this machine has (engine/cpu.py): a mode whose kernel the
+    CPU or the torch build cannot run is left out, unless `runnable_only` is
+    False, which gives the whole order so that the loader can say why each
+    earlier mode was passed over. Whether a kernel can be compiled is only known
+    by trying: the loader does (`_first_that_fits`).
 
     On CUDA, bitsandbytes 4-bit for both (bnb-int8 picks its outlier columns over
     the whole verify block, so a token's logits would depend on its neighbours
@@ -85,9 +91,9 @@ def default_quants(
     from .native import cpu_supports
 
     modes: list[QuantMode] = []
-    if cpu_supports("w4a8") is None:
+    if not runnable_only or cpu_supports("w4a8") is None:
         modes.append(QuantMode.W4A8)
-    if has_fbgemm():
+    if not runnable_only or has_fbgemm():
         modes.append(QuantMode.W8A8)
     modes.append(QuantMode.INT4 if role == "draft" else QuantMode.INT8)
     return tuple(modes)
@@ -100,7 +106,9 @@ def _check_quant(
     from . import native, quant
 
     kernel = quant.NATIVE_KERNEL.get(mode)
-    building = kernel is not None and not native.is_built(kernel)
+    building = (
+        kernel is not None and not native.is_built(kernel) and native.cpu_supports(kernel) is None
+    )
     if building:
         # no fraction to show while the compiler runs: an indeterminate bar
         detail = f"{mode} kernel: compiling once for this machine (about 30 s)"
@@ -154,8 +162,10 @@ def _first_that_fits(
 
 
 def has_fbgemm() -> bool:
-    """Whether torch was built with fbgemm (x86), which w8a8 runs on."""
-    return "fbgemm" in torch.backends.quantized.supported_engines
+    """Whether fbgemm, which w8a8 runs on, works here: an x86 torch build on an AVX2 CPU."""
+    from .cpu import fbgemm_unavailable
+
+    return fbgemm_unavailable() is None
 
 
 def set_threads(threads: int | None) -> int:
@@ -241,9 +251,9 @@ def load_model(
     quant: Any = None
     mode = spec.quant
     if mode is None:
-        mode = _first_that_fits(
-            default_quants(role, device, _approx_params(config)), config, device, report
-        )
+        # every mode in order: those this machine cannot run are passed over with the reason
+        modes = default_quants(role, device, _approx_params(config), runnable_only=False)
+        mode = _first_that_fits(modes, config, device, report)
     if mode is not QuantMode.NONE:
         from . import quant as quant_mod
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 import torch
 
-from specchat.engine import loading
-from specchat.engine.config import QuantMode
+from specchat.engine import cpu, loading
+from specchat.engine.config import ModelSpec, QuantMode
 from specchat.engine.errors import ModelLoadError
+from specchat.engine.events import LoadProgress
 from specchat.engine.loading import (
     _approx_params,
     default_quant,
@@ -19,25 +21,83 @@ from specchat.engine.loading import (
 )
 from specchat.tui.commands import common
 
+# What three kinds of machine report (engine/cpu.py), to decide as each of them would.
+ARM = cpu.detect(
+    machine="aarch64", cpuinfo="processor\t: 0\nFeatures\t: fp asimd aes crc32 atomics\n"
+)
+X86_NO_AVX2 = cpu.detect(
+    machine="x86_64", cpuinfo="flags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 avx\n"
+)
+AVX2_ONLY = cpu.detect(
+    machine="x86_64", cpuinfo="flags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 avx fma f16c avx2\n"
+)
+TORCH_HAS_FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines
 
-def test_default_quant_by_device_and_role() -> None:
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert default_quant("target", cpu, 1_500_000_000) is QuantMode.W4A8  # x86 with AVX2
-    assert default_quant("draft", cpu, 500_000_000) is QuantMode.W4A8
-    assert default_quants("target", cpu, 1_500_000_000)[1:] == (QuantMode.W8A8, QuantMode.INT8)
+
+def test_default_quant_on_cuda_and_for_small_models() -> None:
+    cpu_device, cuda = torch.device("cpu"), torch.device("cuda")
     assert default_quant("target", cuda, 1_500_000_000) is QuantMode.BNB_NF4
     assert default_quant("draft", cuda, 500_000_000) is QuantMode.BNB_NF4
-    assert default_quant("target", cpu, 292_800) is QuantMode.NONE
+    assert default_quant("target", cpu_device, 292_800) is QuantMode.NONE
 
 
-def test_default_quant_without_fbgemm(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.skipif(not cpu.features().avx2, reason=f"no AVX2 here: {cpu.features().summary()}")
+def test_default_quant_on_this_avx2_cpu() -> None:
+    """The machine's own answer: w4a8 first, then w8a8 where torch has fbgemm, then int8."""
+    cpu_device = torch.device("cpu")
+    assert default_quant("target", cpu_device, 1_500_000_000) is QuantMode.W4A8
+    assert default_quant("draft", cpu_device, 500_000_000) is QuantMode.W4A8
+    then = (QuantMode.W8A8,) if TORCH_HAS_FBGEMM else ()
+    assert default_quants("target", cpu_device, 1_500_000_000)[1:] == (*then, QuantMode.INT8)
+
+
+@pytest.mark.parametrize(
+    ("machine", "expected"),
+    [
+        (ARM, (QuantMode.INT8,)),
+        (X86_NO_AVX2, (QuantMode.INT8,)),
+        (AVX2_ONLY, (QuantMode.W4A8, QuantMode.W8A8, QuantMode.INT8)),
+    ],
+    ids=["arm", "x86-without-avx2", "avx2-only"],
+)
+def test_default_quant_by_what_the_cpu_reports(
+    monkeypatch: pytest.MonkeyPatch, machine: cpu.CpuFeatures, expected: tuple[QuantMode, ...]
+) -> None:
+    """Every choice follows from the CPU's flags; fbgemm also needs a torch built with it."""
+    monkeypatch.setattr(cpu, "features", lambda: machine)
+    if not TORCH_HAS_FBGEMM:
+        expected = tuple(m for m in expected if m is not QuantMode.W8A8)
+    cpu_device = torch.device("cpu")
+    assert default_quants("target", cpu_device, 1_500_000_000) == expected
+    draft = tuple(QuantMode.INT4 if m is QuantMode.INT8 else m for m in expected)
+    assert default_quants("draft", cpu_device, 500_000_000) == draft
+    everything = default_quants("target", cpu_device, 1_500_000_000, runnable_only=False)
+    assert everything == (QuantMode.W4A8, QuantMode.W8A8, QuantMode.INT8)
+
+
+def test_automatic_quantization_says_why_a_cpu_without_the_kernels_gets_int8(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """On an ARM CPU the load passes over w4a8 and w8a8 with their reasons, and nothing starts
+    a compiler. (The CPU is ARM as the product sees it; int8 runs through ATen anywhere.)"""
     from specchat.engine import native
+    from tests.tinymodels import tiny_llama, tiny_tokenizer
 
-    monkeypatch.setattr(native, "cpu_supports", lambda kernel: "not x86")
-    monkeypatch.setattr(loading, "has_fbgemm", lambda: False)
-    cpu = torch.device("cpu")
-    assert default_quant("target", cpu, 1_500_000_000) is QuantMode.INT8
-    assert default_quant("draft", cpu, 500_000_000) is QuantMode.INT4
+    tiny_llama(layers=1).save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    monkeypatch.setattr(cpu, "features", lambda: ARM)
+    monkeypatch.setattr(loading, "_approx_params", lambda config: 1_500_000_000)
+    monkeypatch.setattr(loading, "_build_decoder", lambda config, device, report: None)
+    monkeypatch.setattr(native, "is_built", lambda kernel: False)  # a new machine
+    monkeypatch.setattr(native, "_built", {})  # nothing loaded in this process either
+    events: list[LoadProgress] = []
+    spec = ModelSpec(str(tmp_path), None, dtype="float32", device="cpu")
+    loaded = loading.load_model(spec, "target", progress=events.append)
+    assert loaded.info.quant == QuantMode.INT8.value
+    details = [e.detail for e in events if e.stage == "quantize" and e.done == 0]
+    assert details[0] == "w4a8: the w4a8 kernel is for x86-64 CPUs; this is aarch64; using w8a8"
+    assert details[1].startswith("w8a8: w8a8 needs fbgemm: ") and details[1].endswith("using int8")
+    assert not any(e.stage == "build" for e in events)  # no "compiling" for a kernel it cannot run
 
 
 def test_automatic_quantization_falls_back_when_the_kernel_cannot_be_built(
