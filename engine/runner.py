@@ -3,19 +3,29 @@
 Invariant: the cache holds K/V for the first `cached` tokens of the sequence
 the caller tracks. `forward(seq)` feeds `seq[cached:]` and returns the logits
 of the last `keep` fed positions; `crop_to(n)` forgets everything after the
-first n tokens. A token's logits do not depend on how many tokens are fed
-with it (row-wise attention, engine/attention.py; batch-invariant quantized
-kernels, engine/quant.py): the basis of exact speculative decoding.
+first n tokens.
+
+A token's logits do not depend on how many tokens (up to MAX_ROWWISE) are fed
+with it: the basis of greedy speculative output being token-identical to
+plain. Attention scores each row alone (engine/attention.py), the quantized
+kernels compute each row from its own row (engine/quant.py), and float
+projections and silu take a short block one row at a time, as a one-token
+step runs them (engine/invariance.py). `exactness` says, per model, whether
+that holds and by which path, or why not (then speculation is exact in
+distribution and equal to plain up to floating-point ties).
 """
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from .attention import use_rowwise_attention
+from .attention import MAX_ROWWISE, use_rowwise_attention
 from .decoder import native_decoder
+from .invariance import RowsApart, plan
 from .kv_cache import new_cache
 
 
@@ -30,9 +40,11 @@ class ModelRunner:
         # Rows of the output projection (quantized heads have no .weight).
         rows = getattr(head, "vocab", None) or getattr(head, "out_features", None)
         self.vocab = int(rows or model.config.vocab_size)
+        # Whether greedy speculative output is token-identical to plain, and how.
+        self.exactness = plan(model)
         # Decode steps and verify blocks in one native call where the model allows it
         # (engine/decoder.py); `native_off` says why not otherwise.
-        self.native, self.native_off = native_decoder(model)
+        self.native, self.native_off = native_decoder(model, self.exactness.rows_apart)
 
     def reset(self) -> None:
         self.cache = new_cache(self.model.config)
@@ -56,12 +68,15 @@ class ModelRunner:
             logits = self.native.feed(ids, self.cache, self.cached, min(keep, n))
             self.cached += n
             return logits
-        out = self.model(
-            input_ids=ids.view(1, n),
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=min(keep, n),
-        )
+        # A block of a few rows: float projections one row at a time, as a step runs them.
+        apart = self.exactness.rows_apart and 1 < n <= MAX_ROWWISE
+        with RowsApart() if apart else nullcontext():
+            out = self.model(
+                input_ids=ids.view(1, n),
+                cache=self.cache,
+                use_cache=True,
+                logits_to_keep=min(keep, n),
+            )
         self.cached += n
         return out.logits[0]  # [keep, V]
 

@@ -14,6 +14,13 @@
 // output projection; residual; RMSNorm; SwiGLU MLP; residual. Embedding, rotary
 // tables, final norm and LM head stay in Python.
 //
+// A float projection takes a block of several rows one row at a time, each row a
+// fresh [1, 1, K] tensor through the very at::linear call a one-token step makes:
+// MKL's GEMM reduces a row differently alone and in a block, and the verify block's
+// rows must equal the steps' bit for bit (engine/invariance.py). So does silu, whose
+// vectorized and scalar code round differently. forward's rows_apart says whether to;
+// without, a block takes one call each (as transformers' modules do).
+//
 // Registered as torch.classes.specchat.Decoder; compiled on first use (engine/native.py).
 
 #include <ATen/ATen.h>
@@ -76,11 +83,24 @@ at::Tensor w4a8(const at::Tensor& x, const Projection& p) {
   return op.call(x, p.weight, p.scales, p.mins, p.out_features);
 }
 
+// nn.Linear on x [1, M, K]: one call, or (rows_apart) one call per row as a step makes it.
+at::Tensor dense(const Projection& p, const at::Tensor& x, bool rows_apart) {
+  auto bias = p.bias.defined() ? c10::optional<at::Tensor>(p.bias) : c10::nullopt;
+  const int64_t m = x.size(1);
+  if (!rows_apart || m == 1) return at::linear(x, p.weight, bias);
+  std::vector<at::Tensor> rows;
+  rows.reserve(m);
+  for (int64_t r = 0; r < m; ++r)
+    rows.push_back(at::linear(x.narrow(1, r, 1).clone(), p.weight, bias));
+  return at::cat(rows, 1);
+}
+
 // Mirrors nn.Linear, or engine/quant.py's W4A8Linear (+ SharedInputGroup's split and biases).
-void project(const Projection& p, const at::Tensor& x, std::vector<at::Tensor>& out) {
+void project(const Projection& p, const at::Tensor& x, std::vector<at::Tensor>& out,
+             bool rows_apart) {
   at::Tensor y;
   if (p.kind == kDense) {
-    y = at::linear(x, p.weight, p.bias.defined() ? c10::optional<at::Tensor>(p.bias) : c10::nullopt);
+    y = dense(p, x, rows_apart);
   } else {
     auto shape = x.sizes().vec();
     auto x2 = x.reshape({-1, p.in_features}).to(p.compute).contiguous();
@@ -104,6 +124,18 @@ void project(const Projection& p, const at::Tensor& x, std::vector<at::Tensor>& 
   auto parts = y.split_with_sizes(p.sizes, -1);
   for (size_t i = 0; i < parts.size(); ++i)
     out.push_back(p.part_bias[i].defined() ? parts[i] + p.part_bias[i] : parts[i]);
+}
+
+// silu on x [1, M, I]; rows_apart: one row at a time. ATen's vectorized silu rounds
+// differently from its scalar tail, so an element's value depends on where it falls
+// in the tensor unless each row is a tensor of its own, as in a one-token step.
+at::Tensor silu(const at::Tensor& x, bool rows_apart) {
+  const int64_t m = x.size(1);
+  if (!rows_apart || m == 1) return at::silu(x);
+  std::vector<at::Tensor> rows;
+  rows.reserve(m);
+  for (int64_t r = 0; r < m; ++r) rows.push_back(at::silu(x.narrow(1, r, 1).clone()));
+  return at::cat(rows, 1);
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -193,9 +225,11 @@ struct Decoder : torch::CustomClassHolder {
   // Layers first..first+L-1 for M new rows at positions past..past+M-1. h [1, M, H] the
   // rows' hidden states entering layer `first`; cos, sin [1, M, D]; keys[i], values[i] the
   // cache buffers [1, Hkv, capacity, D] of layer first+i, holding `past` positions and with
-  // room for M more. Writes the new K/V and returns the last layer's output [1, M, H].
+  // room for M more. rows_apart: float projections and silu one row at a time. Writes
+  // the new K/V and returns the last layer's output [1, M, H].
   at::Tensor forward(at::Tensor h, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> keys,
-                     std::vector<at::Tensor> values, int64_t past, int64_t first) {
+                     std::vector<at::Tensor> values, int64_t past, int64_t first,
+                     bool rows_apart) {
     TORCH_CHECK(keys.size() == values.size() && first >= 0 &&
                     first + static_cast<int64_t>(keys.size()) <= static_cast<int64_t>(layers.size()),
                 "one cache buffer per layer run");
@@ -209,7 +243,7 @@ struct Decoder : torch::CustomClassHolder {
       // attention
       auto x = rms_norm(h, l.norm1, l.eps1);
       parts.clear();
-      for (const auto& p : l.qkv) project(p, x, parts);
+      for (const auto& p : l.qkv) project(p, x, parts, rows_apart);
       auto q = parts[0].view({1, m, -1, l.head_dim}).transpose(1, 2);  // [1, H, M, D]
       auto k = parts[1].view({1, m, -1, l.head_dim}).transpose(1, 2);  // [1, Hkv, M, D]
       auto v = parts[2].view({1, m, -1, l.head_dim}).transpose(1, 2);
@@ -233,15 +267,15 @@ struct Decoder : torch::CustomClassHolder {
       }
       att = att.reshape({1, m, -1}).contiguous();
       parts.clear();
-      project(l.o, att, parts);
+      project(l.o, att, parts, rows_apart);
       h = h + parts[0];
       // MLP
       x = rms_norm(h, l.norm2, l.eps2);
       parts.clear();
-      for (const auto& p : l.gate_up) project(p, x, parts);
-      auto act = at::silu(parts[0]) * parts[1];
+      for (const auto& p : l.gate_up) project(p, x, parts, rows_apart);
+      auto act = silu(parts[0], rows_apart) * parts[1];
       parts.clear();
-      project(l.down, act, parts);
+      project(l.down, act, parts, rows_apart);
       h = h + parts[0];
     }
     return h;
