@@ -8,14 +8,24 @@ conversation with empty caches:
   full forward pass (no KV cache) over prompt + common prefix gives the
   logits there; the margin between its two top tokens tells numerics from a
   bug. A near-tie (margin under `tie_threshold`) is a rounding question that
-  batched verification and single-token steps may answer differently; a
-  wide margin means one mode did not emit the target's token, which for a
-  lossless mode is a bug;
+  batched verification and single-token steps may answer differently where
+  the target is not batch-invariant (below); a wide margin means one mode did
+  not emit the target's token, which for a lossless mode is a bug;
 - agreement: the fraction of each run's tokens that equal the full target's
   greedy choice given that run's own prefix (teacher forcing, one forward
   pass per run). Lossless modes score 1 up to near-ties; for early exit
   (lossy by design) it is the quality figure (CALM's consistency with the
   full model, Schuster et al. 2022).
+
+Where the two must be token-identical: greedy plain, spec, self-spec and
+lookup against each other when the target's logits are batch-invariant (the
+runner's `exactness`, engine/invariance.py: on the CPU, Llama/Qwen2, float32,
+bfloat16 or w4a8/w8a8/int8/int4, native decoder or transformers' modules).
+There any divergence is a bug, near-tie or not. Elsewhere (CUDA, other
+architectures, transformers' generate as a baseline) speculation is exact in
+distribution and equal to plain up to floating-point ties: a divergence at a
+near-tie is numerics. The report says which holds and why, and gives the
+target's top-2 margin at every divergence.
 
 Sampled decoding cannot be compared token by token. `distribution_check`
 compares the empirical distribution of the first `n_tokens` tokens over many
@@ -50,6 +60,7 @@ from .bench_runs import (
 from .bench_stats import chi_square_homogeneity, total_variation
 from .config import DecodeConfig, Mode
 from .events import TokenEvent, TurnFinished
+from .invariance import TIES
 
 if TYPE_CHECKING:
     from .session import ChatSession
@@ -144,6 +155,8 @@ class ABResult:
     comparisons: list[Comparison]
     distribution: DistributionCheck | None = None
     seconds: float = 0.0
+    identity: bool = False  # greedy A and B must be token-identical here (by design)
+    identity_reason: str = ""  # where and why, or why only up to floating-point ties
 
     @property
     def lossless(self) -> bool:
@@ -159,6 +172,8 @@ class ABResult:
         bad = {"failed", "unavailable"}
         if self.lossless and self.config["greedy"]:
             bad |= {"wide margin", "length differs"}
+        if self.identity:  # no ties to break differently: any divergence is a bug
+            bad |= {"near-tie"}
         if any(c.verdict in bad for c in self.comparisons):
             return False
         return self.distribution is None or self.distribution.passed
@@ -179,6 +194,7 @@ class ABResult:
             "models": self.models,
             "environment": self.environment,
             "tie_threshold": self.tie_threshold,
+            "identity": {"guaranteed": self.identity, "reason": self.identity_reason},
             "verdicts": self.counts(),
             "identical": sum(c.status == "identical" for c in self.comparisons),
             "compared": sum(c.status in ("identical", "diverged") for c in self.comparisons),
@@ -195,6 +211,24 @@ class ABResult:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
         return path
+
+
+def identity(session: ChatSession, a: str, b: str, greedy: bool) -> tuple[bool, str]:
+    """Whether greedy A and B must be token-identical on this session, and the sentence why."""
+    if not greedy:
+        return False, "sampled decoding: compared in distribution, not token by token"
+    for arm in (a, b):
+        if arm in LOSSY:
+            return False, f"{arm} is lossy by design"
+        if arm in BASELINES:
+            return False, (
+                f"{TIES}: {arm} runs transformers' own generate, whose passes are not "
+                "batch-invariant"
+            )
+    exactness = getattr(getattr(session, "target_runner", None), "exactness", None)
+    if exactness is None:
+        return False, f"{TIES}: this session does not say whether its target is batch-invariant"
+    return exactness.identical, exactness.reason
 
 
 def _check_arm(arm: str) -> None:
@@ -298,6 +332,7 @@ def run_ab(
     if max_new_tokens is not None:
         cfg = cfg.with_(max_new_tokens=max_new_tokens)
     tie = default_tie_threshold(session) if tie_threshold is None else tie_threshold
+    same, why = identity(session, a, b, cfg.greedy)
     memory = Memory(session.target.device)
     system = session.system_prompt
     lossy = a in LOSSY or b in LOSSY
@@ -335,6 +370,8 @@ def run_ab(
         tie_threshold=tie,
         comparisons=comps,
         seconds=time.perf_counter() - t0,
+        identity=same,
+        identity_reason=why,
     )
 
 

@@ -100,3 +100,26 @@ def test_greedy_speculation_equals_plain_token_and_probability(
             assert ids == plain_ids, (prompt, mode, kw)
             assert p == plain_p, (prompt, mode, kw)
 
+
+def test_ab_says_identity_is_guaranteed_and_holds_it(stories: tuple) -> None:
+    """`specchat ab` on float32: identity by design, and a near-tie would not be excused."""
+    from rich.console import Console
+
+    from specchat.engine.ab import run_ab
+    from specchat.engine.bench_runs import BenchPrompt
+    from specchat.tui.commands.ab import print_ab
+
+    model, tok = stories
+    draft = loaded(layer_truncated(model, 4), "draft", tokenizer=tok)
+    session = ChatSession(loaded(model, tokenizer=tok), draft)
+    prompts = [BenchPrompt(f"p{i}", "chat", p) for i, p in enumerate(PROMPTS[:2])]
+    result = run_ab(session, prompts, "plain", "spec", max_new_tokens=24)
+    assert result.identity and "float32" in result.identity_reason
+    assert result.ok and all(c.verdict == "identical" for c in result.comparisons)
+    console = Console(record=True, width=200)
+    print_ab(result.to_dict(), tok, console)
+    assert "token identity guaranteed" in console.export_text()
+    result.comparisons[0].verdict = "near-tie"  # what a tie broken differently would show
+    assert not result.ok
+    baseline = run_ab(session, prompts[:1], "plain", "hf-generate", max_new_tokens=8)
+    assert not baseline.identity and "up to floating-point ties" in baseline.identity_reason
