@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from specchat.engine.config import QuantMode
 from specchat.engine.loading import LoadedModel, describe
+
+if TYPE_CHECKING:
+    from specchat.engine.events import TurnFinished
+    from specchat.engine.session import ChatSession
 
 CORPUS = [
     "Once upon a time there was a little robot who loved to read.",
@@ -152,3 +157,19 @@ def loaded(model: torch.nn.Module, role: str = "target", tokenizer: object = Non
     dtype = next(model.parameters()).dtype
     info = describe(model, role, f"tiny-{role}", "code", device, dtype, QuantMode.NONE)  # type: ignore[arg-type]
     return LoadedModel(model, tok, device, dtype, info)  # type: ignore[arg-type]
+
+
+def pair_session(target: torch.nn.Module, **kw: object) -> ChatSession:
+    """A chat session on `target`, drafted by its own first two layers."""
+    from specchat.engine.loading import layer_truncated
+    from specchat.engine.session import ChatSession
+
+    return ChatSession(loaded(target), loaded(layer_truncated(target, 2), "draft"), **kw)  # type: ignore[arg-type]
+
+
+def turn_finished(events: list[object]) -> TurnFinished:
+    """The one TurnFinished of a turn's events."""
+    from specchat.engine.events import TurnFinished
+
+    (last,) = [e for e in events if isinstance(e, TurnFinished)]
+    return last

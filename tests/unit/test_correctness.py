@@ -18,6 +18,8 @@ from specchat.engine.runner import ModelRunner
 from specchat.engine.session import ChatSession
 from specchat.engine.speculative import ModelDrafter, accept_or_resample
 from tests.tinymodels import loaded, tiny_llama, tiny_tokenizer
+from tests.tinymodels import pair_session as make
+from tests.tinymodels import turn_finished as finished
 
 
 @pytest.fixture(scope="module")
@@ -25,17 +27,8 @@ def target() -> torch.nn.Module:
     return tiny_llama(seed=0, layers=4, max_positions=256)
 
 
-def make(target: torch.nn.Module, **kw: object) -> ChatSession:
-    return ChatSession(loaded(target), loaded(layer_truncated(target, 2), "draft"), **kw)  # type: ignore[arg-type]
-
-
 def tokens(events: list[object]) -> list[TokenEvent]:
     return [e for e in events if isinstance(e, TokenEvent)]
-
-
-def finished(events: list[object]) -> TurnFinished:
-    (last,) = [e for e in events if isinstance(e, TurnFinished)]
-    return last
 
 
 # -- stop strings and EOS ---------------------------------------------------------

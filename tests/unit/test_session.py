@@ -17,10 +17,11 @@ from specchat.engine.events import (
     TurnFinished,
     TurnStarted,
 )
-from specchat.engine.loading import layer_truncated
 from specchat.engine.session import ChatSession
 from specchat.engine.text import IncrementalDecoder, held_back
 from tests.tinymodels import loaded, tiny_llama, tiny_tokenizer
+from tests.tinymodels import pair_session as make
+from tests.tinymodels import turn_finished as finished
 
 
 @pytest.fixture(scope="module")
@@ -28,17 +29,8 @@ def target() -> torch.nn.Module:
     return tiny_llama(seed=0, layers=4, max_positions=256)
 
 
-def make(target: torch.nn.Module, **kw: object) -> ChatSession:
-    return ChatSession(loaded(target), loaded(layer_truncated(target, 2), "draft"), **kw)  # type: ignore[arg-type]
-
-
 def tokens_of(events: list[object]) -> list[int]:
     return [e.token_id for e in events if isinstance(e, TokenEvent)]
-
-
-def finished(events: list[object]) -> TurnFinished:
-    (last,) = [e for e in events if isinstance(e, TurnFinished)]
-    return last
 
 
 def test_event_order_of_a_turn(target: torch.nn.Module) -> None:
