@@ -11,11 +11,11 @@ is gone. The embedding, the rotary tables, the final norm and the LM head
 stay with the modules, which also keep serving prompts (long blocks) and
 whatever the native path does not support.
 
-In `feed`, float projections and silu take a block of several rows one row
-at a time (the rotary tables and the LM head too), each through the call a
-one-token step makes, so that a verify block's rows equal the steps' bit for
-bit (engine/invariance.py; `rows_apart` False, for measuring its cost, takes
-a block in one call, as the modules do outside a runner).
+In `feed`, a verify block's rows get the one-token steps' bits: float32
+projections run the fixed-order kernel (steps too), other float projections
+and silu take the rows one at a time, and so do the rotary tables and the LM
+head (engine/invariance.py). Outside `feed` (the early-exit stack's layer
+ranges) the layers compute a block as transformers' modules do.
 
 Supported: Llama and Qwen2 (RMSNorm, rotary, grouped-query attention with
 optional q/k/v biases, SwiGLU), full attention scored row by row
@@ -38,7 +38,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .attention import MAX_ROWWISE, NAME
 from .errors import QuantizationError
-from .invariance import RowsApart, plan
+from .invariance import BATCHED, Exactness, RowsApart, plan
 from .kv_cache import GrowingLayer
 from .quant import (
     Int4WeightOnlyLinear,
@@ -62,19 +62,17 @@ class Unsupported(Exception):
 
 
 def native_decoder(
-    model: PreTrainedModel, rows_apart: bool | None = None
+    model: PreTrainedModel, exactness: Exactness | None = None
 ) -> tuple[NativeDecoder | None, str]:
     """The native decoder for `model`, or None and why not (never raises).
 
-    `rows_apart`: in `feed`, float projections and silu take a block one row at
-    a time (default: as engine/invariance.py's plan for the model says).
+    `exactness`: how `feed` runs a block's float projections and silu (default:
+    engine/invariance.py's plan for the model).
     """
     if os.environ.get(ENV, "1") == "0":
         return None, f"turned off by {ENV}=0"
-    if rows_apart is None:
-        rows_apart = plan(model).rows_apart
     try:
-        return NativeDecoder(model, rows_apart), ""
+        return NativeDecoder(model, exactness or plan(model)), ""
     except Unsupported as exc:
         return None, str(exc)
     except (QuantizationError, RuntimeError) as exc:  # not built; or refused by the C++ side
@@ -83,7 +81,7 @@ def native_decoder(
 
 
 class NativeDecoder:
-    def __init__(self, model: PreTrainedModel, rows_apart: bool = True) -> None:
+    def __init__(self, model: PreTrainedModel, exactness: Exactness) -> None:
         config = model.config
         if config.model_type not in ARCHITECTURES:
             raise Unsupported(f"no native decoder for {config.model_type} models")
@@ -105,7 +103,7 @@ class NativeDecoder:
             native.load("w4a8")
         native.load("decoder")
         self._impl: Any = torch.classes.specchat.Decoder()  # type: ignore[attr-defined]
-        self.rows_apart = rows_apart
+        self.exactness = exactness
         for args, projections in steps:
             self._impl.add_layer(*args)
             for projection in projections:
@@ -137,11 +135,13 @@ class NativeDecoder:
     def feed(self, ids: Tensor, cache: DynamicCache, past: int, keep: int) -> Tensor:
         """As the model on ids [n] after `past` tokens: logits [keep, V]; appends to the cache."""
         n = int(ids.shape[-1])
-        # Rotary tables and LM head row by row too (engine/invariance.py); C++ does the layers'.
-        with RowsApart() if self.rows_apart and n > 1 else nullcontext():
+        # The rotary tables and the LM head as the runner's modules path runs them
+        # (engine/invariance.py); the C++ does the layers' projections and silu.
+        ex = self.exactness
+        with RowsApart(ex.fixed) if RowsApart.needed(ex, n) else nullcontext():
             h = self.inner.embed_tokens(ids.view(1, n))  # [1, n, H]
             cos, sin = self.rotary(h, past)
-            h = self.layers(h, (cos, sin), cache, past, range(self.num_layers), self.rows_apart)
+            h = self.layers(h, (cos, sin), cache, past, range(self.num_layers), ex.rows)
             h = self.inner.norm(h)[:, -keep:]
             logits: Tensor = self.model.lm_head(h)
         return logits[0]
@@ -159,19 +159,19 @@ class NativeDecoder:
         cache: DynamicCache,
         past: int,
         run: range,
-        rows_apart: bool = False,
+        rows: int = BATCHED,
     ) -> Tensor:
         """Layers `run` (consecutive) on h [1, n, H]: their output; appends their K/V.
 
-        `rows_apart`: float projections and silu one row at a time (`feed`'s way);
-        without, as transformers' layer modules compute a block (the early-exit
-        stack runs both).
+        `rows`: how float projections and silu take the rows (engine/invariance.py):
+        `feed` passes its plan's; the default is transformers' layer modules' way
+        (the early-exit stack runs both, and must match them).
         """
         end = past + int(h.shape[1])
         layers: list[GrowingLayer] = [cache.layers[i] for i in run]  # type: ignore[misc]
         buffers = [layer.reserve(end) for layer in layers]
         keys, values = [k for k, _ in buffers], [v for _, v in buffers]
-        out: Tensor = self._impl.forward(h, *rope, keys, values, past, run.start, rows_apart)
+        out: Tensor = self._impl.forward(h, *rope, keys, values, past, run.start, rows)
         for layer in layers:
             layer.set_length(end)
         return out

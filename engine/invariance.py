@@ -10,33 +10,41 @@ a one-token step. Three parts of a pass could break that:
 - quantized projections (w4a8, w8a8, int8, int4): their kernels compute each
   output row from its own input row only (engine/quant.py);
 - float projections and approximate elementwise functions, here. A float
-  GEMM is not batch-invariant on the CPU: MKL blocks the reduction
-  differently for one row and for several (one row alone against the same
-  row in a block of 5: up to 2e-6 apart at 288x288 on a Xeon with AVX-512
-  and MKL 2024.2, tests/unit/test_batch_invariance.py). Nor is silu: ATen
-  runs a tensor's elements in vectors and the remainder one by one, and the
-  two round differently, so an element's value depends on where it falls in
-  the whole block. Three layers of a tiny model grow that to 5e-6 in the
-  logits, and a near-tie then picks different tokens in plain and in
-  speculative decoding. `RowsApart` runs each such call of a short block one
-  row at a time, through the very call (`F.linear` on a fresh [1, 1, K] row)
-  the one-token step makes, so every row is bit-identical to the step's.
+  GEMM is not batch-invariant on the CPU: MKL reduces a row in another order
+  alone than among others (one row alone against the same row in a block of
+  5: 5e-7 apart at 64x64 to 1536x1536 on a Xeon with AVX-512 and MKL 2024.2,
+  tests/unit/test_batch_invariance.py). Nor is silu: ATen runs a tensor's
+  elements in vectors and the remainder one by one, and the two round
+  differently, so an element's value depends on where it falls in the block.
+  Three layers of a tiny model grow that to 5e-6 in the logits, and a
+  near-tie then picks different tokens in plain and in speculative decoding.
 
+Two ways out, both giving every row of a block the bits of a one-token step:
+
+- the fixed-order kernel (`FIXED`, csrc/decoder.cpp's fixed_linear): a
+  float32 GEMM whose every output is reduced in one order whatever the
+  number of rows. Steps and blocks both run it; a step costs what MKL's
+  costs, and a block reads each weight once: a verify block of 5 costs ~1.6
+  steps, less than MKL's batched GEMM (~2; docs/performance.md). It needs an
+  x86-64 CPU with AVX2 and FMA (AVX-512 where there is one, chosen at run
+  time) and the native library;
+- rows apart (`APART`, the fallback, and for bfloat16 / float16): each row
+  of a block through the very call a step makes (`F.linear` on a fresh
+  [1, 1, K] row). Exact anywhere, but a block of K+1 rows reads the
+  projections' weights K+1 times.
+
+silu and the rotary tables' cos and sin take the rows apart either way.
 What remains is exact whatever the row count: gathers, adds, products,
 divisions and square roots (correctly rounded in vector and scalar code
 alike), the RMSNorm's mean (ATen reduces each row of fewer than 32,768
-values alone, in one order), and attention, scored per row.
+values alone, in one order), and attention, scored per row. Blocks longer
+than `MAX_ROWWISE` (prompts; a prompt is prefilled the same way in every
+mode) keep the batched calls, as they keep the batched attention.
 
-The price is the weights' bytes: a verify block of K+1 rows reads each float
-projection's weights K+1 times instead of once (quantized projections are
-untouched). Blocks longer than `MAX_ROWWISE` (prompts; a prompt is prefilled
-the same way in every mode) keep the batched calls, as they keep the batched
-attention.
-
-`plan(model)` decides, once per model, whether a runner takes this path and
-says in one sentence what holds: greedy speculative output token-identical
-to plain by design, or only exact in distribution and equal up to
-floating-point ties, and why (`Exactness.reason`).
+`plan(model)` decides, once per model, which way a runner takes and says in
+one sentence what holds: greedy speculative output token-identical to plain
+by design, or only exact in distribution and equal up to floating-point
+ties, and why (`Exactness.reason`).
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from .attention import MAX_ROWWISE, NAME
+from .errors import QuantizationError
 from .quant import (
     Int4WeightOnlyLinear,
     Int8DynamicLinear,
@@ -60,7 +69,10 @@ from .quant import (
     _QuantizedLinear,
 )
 
-ENV = "SPECCHAT_ROWS_APART"  # "0": a short block takes one call per op (to measure the cost)
+# "0": a block takes one call per op, as transformers' modules do (not batch-invariant;
+# to measure what invariance costs); "apart": rows apart even where the fixed kernel runs.
+ENV = "SPECCHAT_ROWS_APART"
+BATCHED, APART, FIXED = 0, 1, 2  # how a short block runs; csrc/decoder.cpp's Rows
 # The architectures whose forward was checked op by op (the tests run them): their
 # only calls that round by row count are the ones RowsApart takes apart.
 CHECKED = ("llama", "qwen2")
@@ -71,11 +83,7 @@ _KERNELS = {  # the quantized modules whose kernels compute each row from its ow
     Int8WeightOnlyLinear: "int8",
     Int4WeightOnlyLinear: "int4",
 }
-
-
-def dense_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """F.linear one row at a time: x [..., K] -> [..., N], each row as a one-token step makes it."""
-    return apart(F.linear, x, weight, bias)
+TIES = "exact in distribution, equal to plain up to floating-point ties"
 
 
 def apart(func: Callable[..., Tensor], x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
@@ -90,6 +98,29 @@ def apart(func: Callable[..., Tensor], x: Tensor, *args: Any, **kwargs: Any) -> 
     out = [func(rows[r : r + 1].reshape(one).clone(), *args, **kwargs) for r in range(len(rows))]
     y = out[0] if len(out) == 1 else torch.cat(out, dim=-2 if x.dim() > 1 else 0)
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def dense_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear one row at a time: x [..., K] -> [..., N], each row as a one-token step makes it."""
+    return apart(F.linear, x, weight, bias)
+
+
+def fixed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [..., K] @ weight[N, K].T (+ bias), float32, each output reduced in one fixed order."""
+    out: Tensor = torch.ops.specchat.fixed_linear(x, weight, bias)
+    return out
+
+
+def fixed_kernel() -> str:
+    """The fixed-order kernel's instruction set here ("avx512", "avx2"), or why there is none."""
+    from . import native
+
+    try:
+        native.load("decoder")
+    except QuantizationError as exc:
+        return f"no fixed-order kernel: {exc.message}"
+    isa = str(torch.ops.specchat.fixed_linear_isa())
+    return isa or "no fixed-order kernel: it needs an x86-64 CPU with AVX2 and FMA"
 
 
 # Elementwise functions whose vectorized and scalar code round differently: ATen runs a
@@ -116,9 +147,19 @@ _ELEMENTWISE = frozenset(
 
 
 class RowsApart(TorchFunctionMode):
-    """While active (this thread), float `F.linear` calls and the elementwise functions
-    above, over up to MAX_ROWWISE rows, run one row at a time (`apart`); every other
-    call runs as it would."""
+    """While active (this thread), what a short block computes by row count gets each row
+    a step's bits: float32 `F.linear` through the fixed-order kernel (`fixed`; one row
+    too), other `F.linear` calls and the elementwise functions above one row at a time.
+    Every other call runs as it would."""
+
+    def __init__(self, fixed: bool = False) -> None:
+        super().__init__()
+        self.fixed = fixed
+
+    @staticmethod
+    def needed(exactness: Exactness, n: int) -> bool:
+        """Whether a feed of n tokens must run under the mode (else it computes as a step)."""
+        return exactness.rows_apart and 0 < n <= MAX_ROWWISE and (n > 1 or exactness.fixed)
 
     def __torch_function__(
         self,
@@ -129,30 +170,36 @@ class RowsApart(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         if func is F.linear:
-            x = args[0] if args else kwargs.pop("input")
-            if _short(x):
-                return apart(F.linear, x, *args[1:], **kwargs)
-        elif func in _ELEMENTWISE and args and _short(args[0]):
+            x = args[0] if args else kwargs["input"]
+            weight = args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            rows = _rows(x)
+            if self.fixed and 0 < rows <= MAX_ROWWISE and _float32(x, weight):
+                return fixed_linear(x, weight, bias)
+            if 1 < rows <= MAX_ROWWISE:
+                return apart(F.linear, x, weight, bias)
+        elif func in _ELEMENTWISE and args and 1 < _rows(args[0]) <= MAX_ROWWISE:
             if kwargs.get("inplace"):  # F.silu(x, inplace=True)
                 return args[0].copy_(apart(func, *args, **{**kwargs, "inplace": False}))
             return apart(func, *args, **kwargs)
         return func(*args, **kwargs)
 
 
-def _short(x: Any) -> bool:
-    """A float tensor of 1..MAX_ROWWISE rows (its last dimension is a row)."""
+def _rows(x: Any) -> int:
+    """How many rows (of its last dimension) a float tensor holds; 0 for anything else."""
+    if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() < 1 or not x.shape[-1]:
+        return 0
+    return x.numel() // x.shape[-1]
+
+
+def _float32(x: Tensor, weight: Any) -> bool:
     return (
-        isinstance(x, Tensor)
-        and x.is_floating_point()
-        and x.dim() >= 1
-        and x.shape[-1] > 0
-        and 0 < x.numel() // x.shape[-1] <= MAX_ROWWISE
+        x.dtype == torch.float32
+        and type(weight) in (Tensor, nn.Parameter)
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and x.device.type == "cpu"
     )
-
-
-def enabled() -> bool:
-    """Whether a short block may run its calls row by row (SPECCHAT_ROWS_APART=0 says no)."""
-    return os.environ.get(ENV, "1") != "0"
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,14 +207,21 @@ class Exactness:
     """What a runner guarantees about greedy speculative output, and why."""
 
     identical: bool  # greedy spec == plain token for token, by design
-    rows_apart: bool  # a short block's float projections and elementwise functions, row by row
+    rows: int  # how a short block runs: BATCHED, APART or FIXED
     reason: str  # one sentence for the session's notes and `specchat ab`'s report
+
+    @property
+    def rows_apart(self) -> bool:
+        """Whether short blocks run the invariant way (APART or FIXED)."""
+        return self.rows != BATCHED
+
+    @property
+    def fixed(self) -> bool:
+        """Whether float32 projections run the fixed-order kernel (one-token steps too)."""
+        return self.rows == FIXED
 
     def __str__(self) -> str:
         return self.reason
-
-
-TIES = "exact in distribution, equal to plain up to floating-point ties"
 
 
 def plan(model: nn.Module) -> Exactness:
@@ -184,33 +238,50 @@ def plan(model: nn.Module) -> Exactness:
             not isinstance(module, nn.Embedding) and _holds_a_matrix(module)
         ):
             blockers.append(f"{name} ({type(module).__name__}) is not known to compute rows alone")
-    device = _device(model)
     config = getattr(model, "config", None)
     arch = getattr(config, "model_type", None)
     if arch not in CHECKED:
         blockers.insert(0, f"{arch} models are not checked op by op for row invariance")
     if getattr(config, "hidden_size", 0) >= _SERIAL_REDUCTION:
         blockers.append("a norm's row is too long to be reduced in one order")
+    device = _device(model)
     if device.type != "cpu":
         blockers.insert(0, f"on {device.type} the GEMM kernels are chosen by the number of rows")
     if getattr(config, "_attn_implementation", None) != NAME:
         blockers.insert(0, "attention is not scored row by row (engine/attention.py)")
     if blockers:
-        return Exactness(False, False, f"{TIES}: {blockers[0]}")
-    if not enabled():
-        return Exactness(False, False, f"{TIES}: a verify block takes one call per op ({ENV}=0)")
-    how = ["attention, silu and the rotary tables take each row of a verify block alone"]
-    if dense:
-        dtypes = "/".join(sorted(dense))
+        return Exactness(False, BATCHED, f"{TIES}: {blockers[0]}")
+    setting = os.environ.get(ENV, "1")
+    if setting == "0":
+        return Exactness(False, BATCHED, f"{TIES}: a verify block takes one call per op ({ENV}=0)")
+    rows, how = (
+        APART,
+        ["attention, silu and the rotary tables take each row of a verify block alone"],
+    )
+    if "float32" in dense:
+        isa = fixed_kernel() if setting != "apart" else f"rows apart by {ENV}=apart"
+        if isa in ("avx512", "avx2"):
+            rows = FIXED
+            how.append(
+                f"the float32 projections run a fixed-order kernel ({isa}) that reduces each "
+                "row in one order whatever the block (each weight read once per block)"
+            )
+        else:
+            how.append(
+                "the float32 projections take a verify block one row at a time, as a one-token "
+                f"step does (each row reads their weights again; {isa})"
+            )
+    others = sorted(dense - {"float32"})
+    if others:
         how.append(
-            f"so do the {dtypes} projections, as a one-token step runs them (each row reads "
-            "their weights again)"
+            f"the {'/'.join(others)} projections take a verify block one row at a time, as a "
+            "one-token step does (each row reads their weights again)"
         )
     if kernels:
         how.append(f"the {'/'.join(sorted(kernels))} kernels compute each row from its own row")
     return Exactness(
         True,
-        True,
+        rows,
         "greedy speculative output is token-identical to plain by design on the CPU: "
         + "; ".join(how),
     )

@@ -9,8 +9,8 @@ A token's logits do not depend on how many tokens (up to MAX_ROWWISE) are fed
 with it: the basis of greedy speculative output being token-identical to
 plain. Attention scores each row alone (engine/attention.py), the quantized
 kernels compute each row from its own row (engine/quant.py), and float
-projections and silu take a short block one row at a time, as a one-token
-step runs them (engine/invariance.py). `exactness` says, per model, whether
+projections run a fixed-order kernel, or take a short block one row at a
+time as a one-token step runs them, and so does silu (engine/invariance.py). `exactness` says, per model, whether
 that holds and by which path, or why not (then speculation is exact in
 distribution and equal to plain up to floating-point ties).
 """
@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from .attention import MAX_ROWWISE, use_rowwise_attention
+from .attention import use_rowwise_attention
 from .decoder import native_decoder
 from .invariance import RowsApart, plan
 from .kv_cache import new_cache
@@ -44,7 +44,7 @@ class ModelRunner:
         self.exactness = plan(model)
         # Decode steps and verify blocks in one native call where the model allows it
         # (engine/decoder.py); `native_off` says why not otherwise.
-        self.native, self.native_off = native_decoder(model, self.exactness.rows_apart)
+        self.native, self.native_off = native_decoder(model, self.exactness)
 
     def reset(self) -> None:
         self.cache = new_cache(self.model.config)
@@ -68,9 +68,9 @@ class ModelRunner:
             logits = self.native.feed(ids, self.cache, self.cached, min(keep, n))
             self.cached += n
             return logits
-        # A block of a few rows: float projections one row at a time, as a step runs them.
-        apart = self.exactness.rows_apart and 1 < n <= MAX_ROWWISE
-        with RowsApart() if apart else nullcontext():
+        # Float projections and silu so that each row gets a one-token step's bits.
+        ex = self.exactness
+        with RowsApart(ex.fixed) if RowsApart.needed(ex, n) else nullcontext():
             out = self.model(
                 input_ids=ids.view(1, n),
                 cache=self.cache,

@@ -14,24 +14,285 @@
 // output projection; residual; RMSNorm; SwiGLU MLP; residual. Embedding, rotary
 // tables, final norm and LM head stay in Python.
 //
-// A float projection takes a block of several rows one row at a time, each row a
-// fresh [1, 1, K] tensor through the very at::linear call a one-token step makes:
-// MKL's GEMM reduces a row differently alone and in a block, and the verify block's
-// rows must equal the steps' bit for bit (engine/invariance.py). So does silu, whose
-// vectorized and scalar code round differently. forward's rows_apart says whether to;
-// without, a block takes one call each (as transformers' modules do).
+// A verify block's rows must equal the one-token steps' bit for bit (engine/invariance.py),
+// and neither MKL's GEMM (a row reduces in another order alone than in a block) nor
+// ATen's silu (vector and scalar code round differently) gives that. So a block runs its
+// float32 projections through fixed_linear below, whose every output is reduced in one
+// order whatever the number of rows (one-token steps too), and its other float
+// projections and silu one row at a time, each row a fresh [1, 1, K] tensor through the
+// very call a step makes. forward's `rows` says which (Rows); kBatched is transformers'
+// modules' way, one call for the block.
 //
-// Registered as torch.classes.specchat.Decoder; compiled on first use (engine/native.py).
+// Registered as torch.classes.specchat.Decoder, torch.ops.specchat.fixed_linear and
+// torch.ops.specchat.fixed_linear_isa; compiled on first use (engine/native.py).
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/native/quantized/PackedParams.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <condition_variable>
+#include <cstdlib>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
 #include <vector>
 
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define SPECCHAT_FIXED_X86 1
+#endif
+
 namespace {
+
+// ------------------------------------------------------------------ fixed-order float32 GEMM
+// y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) with each output's reduction in one order,
+// whatever the number of rows M: lane l of one vector accumulator takes k = l, l + L,
+// l + 2L, ... in turn by fused multiply-add (L = 16 on AVX-512, 8 on AVX2; the last
+// K mod L values through a masked load), then the lanes are summed by a fixed tree and
+// the bias added. Tiling over rows and outputs, and threads (which split the outputs),
+// change which outputs are computed together, never how one is: a row alone and the same
+// row in a verify block get the same bits, and each weight is read once per block.
+// Compiled for AVX-512 and AVX2 side by side and chosen at run time from the CPU; other
+// CPUs get "" from fixed_linear_isa and the engine takes a block one row at a time.
+#ifdef SPECCHAT_FIXED_X86
+template <int MB, int NB>
+__attribute__((target("avx512f"))) void tile512(const float* x, int64_t ldx, const float* w,
+                                                int64_t k, const float* bias, float* y,
+                                                int64_t ldy) {
+  __m512 acc[MB][NB];
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 16 <= k; c += 16) {
+    __m512 wv[NB];
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(w + j * k + c);
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) {
+      const __m512 xv = _mm512_loadu_ps(x + i * ldx + c);
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  if (c < k) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (k - c)) - 1);
+    __m512 wv[NB];
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_maskz_loadu_ps(m, w + j * k + c);
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) {
+      const __m512 xv = _mm512_maskz_loadu_ps(m, x + i * ldx + c);
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) {
+      const float sum = _mm512_reduce_add_ps(acc[i][j]);
+      y[i * ldy + j] = bias ? sum + bias[j] : sum;
+    }
+}
+
+__attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int MB, int NB>
+__attribute__((target("avx2,fma"))) void tile256(const float* x, int64_t ldx, const float* w,
+                                                 int64_t k, const float* bias, float* y,
+                                                 int64_t ldy) {
+  __m256 acc[MB][NB];
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= k; c += 8) {
+    __m256 wv[NB];
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) wv[j] = _mm256_loadu_ps(w + j * k + c);
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x + i * ldx + c);
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  if (c < k) {
+    alignas(32) int32_t bits[8];
+    for (int l = 0; l < 8; ++l) bits[l] = c + l < k ? -1 : 0;
+    const __m256i m = _mm256_load_si256(reinterpret_cast<const __m256i*>(bits));
+    __m256 wv[NB];
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) wv[j] = _mm256_maskload_ps(w + j * k + c, m);
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) {
+      const __m256 xv = _mm256_maskload_ps(x + i * ldx + c, m);
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) {
+      const float sum = hsum256(acc[i][j]);
+      y[i * ldy + j] = bias ? sum + bias[j] : sum;
+    }
+}
+
+using Tile = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t);
+
+template <int MB, int NB>
+Tile pick(bool avx512) {
+  return avx512 ? &tile512<MB, NB> : &tile256<MB, NB>;
+}
+
+// The tile for mb rows and nb outputs: mb 1..4, nb 1..4; or nb 5..8 with one row (two on
+// AVX-512, which has the registers).
+Tile tile_for(bool avx512, int64_t mb, int64_t nb) {
+  static const Tile t[2][4][8] = {
+      {{pick<1, 1>(false), pick<1, 2>(false), pick<1, 3>(false), pick<1, 4>(false),
+        pick<1, 5>(false), pick<1, 6>(false), pick<1, 7>(false), pick<1, 8>(false)},
+       {pick<2, 1>(false), pick<2, 2>(false), pick<2, 3>(false), pick<2, 4>(false)},
+       {pick<3, 1>(false), pick<3, 2>(false), pick<3, 3>(false), pick<3, 4>(false)},
+       {pick<4, 1>(false), pick<4, 2>(false), pick<4, 3>(false), pick<4, 4>(false)}},
+      {{pick<1, 1>(true), pick<1, 2>(true), pick<1, 3>(true), pick<1, 4>(true),
+        pick<1, 5>(true), pick<1, 6>(true), pick<1, 7>(true), pick<1, 8>(true)},
+       {pick<2, 1>(true), pick<2, 2>(true), pick<2, 3>(true), pick<2, 4>(true),
+        pick<2, 5>(true), pick<2, 6>(true), pick<2, 7>(true), pick<2, 8>(true)},
+       {pick<3, 1>(true), pick<3, 2>(true), pick<3, 3>(true), pick<3, 4>(true)},
+       {pick<4, 1>(true), pick<4, 2>(true), pick<4, 3>(true), pick<4, 4>(true)}}};
+  const Tile tile = t[avx512][mb - 1][nb - 1];
+  TORCH_CHECK(tile != nullptr, "no ", mb, "x", nb, " tile");
+  return tile;
+}
+#endif
+
+// f(begin, end) over [0, n) in at most at::get_num_threads() parts of at least `grain`,
+// run by this thread and by helpers on torch's inter-op pool (this library is built
+// without OpenMP, which at::parallel_for needs). Parts are claimed one at a time, so this
+// thread does them all if no helper starts in time (a busy pool, or a call from inside
+// it); a helper that starts after the last claim returns without touching f. Which
+// thread computes an output never changes its value.
+template <class F>
+void split(int64_t n, int64_t grain, const F& f) {
+  const int64_t parts = std::min<int64_t>(at::get_num_threads(), n / std::max<int64_t>(grain, 1));
+  if (parts <= 1 || at::in_parallel_region()) {
+    f(0, n);
+    return;
+  }
+  struct Shared {
+    std::mutex mu;
+    std::condition_variable idle;
+    int64_t next = 0, active = 0;
+    std::exception_ptr error;
+  };
+  auto shared = std::make_shared<Shared>();
+  const int64_t chunk = (n + parts - 1) / parts;
+  const F* fp = &f;
+  auto work = [shared, fp, n, chunk, parts] {
+    Shared& s = *shared;
+    for (;;) {
+      int64_t i;
+      {
+        std::lock_guard<std::mutex> lock(s.mu);
+        if (s.next >= parts) return;
+        i = s.next++;
+        ++s.active;
+      }
+      std::exception_ptr e;
+      try {
+        (*fp)(i * chunk, std::min(n, (i + 1) * chunk));
+      } catch (...) {
+        e = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lock(s.mu);
+      if (e && !s.error) s.error = e;
+      if (--s.active == 0) s.idle.notify_all();
+    }
+  };
+  for (int64_t p = 1; p < parts; ++p) at::launch(work);
+  work();
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->idle.wait(lock, [&] { return shared->active == 0; });
+  if (shared->error) std::rethrow_exception(shared->error);
+}
+
+// "avx512", "avx2", or "" where this build or this CPU has neither (then no fixed kernel).
+// SPECCHAT_FIXED_ISA=avx2 or =none, read once, asks for less than the CPU has (tests).
+std::string fixed_linear_isa() {
+#ifdef SPECCHAT_FIXED_X86
+  static const std::string isa = [] {
+    __builtin_cpu_init();
+    const char* env = std::getenv("SPECCHAT_FIXED_ISA");
+    const std::string want = env ? env : "";
+    if (want == "none") return std::string();
+    if (__builtin_cpu_supports("avx512f") && want != "avx2") return std::string("avx512");
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return std::string("avx2");
+    return std::string();
+  }();
+  return isa;
+#else
+  return std::string();
+#endif
+}
+
+// x [..., K] float32, weight [N, K] float32, bias [N] or none -> [..., N], each output in
+// the fixed order above.
+at::Tensor fixed_linear(const at::Tensor& x, const at::Tensor& weight,
+                        const c10::optional<at::Tensor>& bias) {
+  const std::string isa = fixed_linear_isa();
+  TORCH_CHECK(!isa.empty(), "fixed_linear needs an x86-64 CPU with AVX2 and FMA, or AVX-512");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "fixed_linear takes float32");
+  TORCH_CHECK(weight.dim() == 2 && x.size(-1) == weight.size(1), "shapes do not match");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "fixed_linear runs on the CPU");
+  const int64_t k = weight.size(1), n = weight.size(0);
+  const auto x2 = x.reshape({-1, k}).contiguous();
+  const auto w = weight.contiguous();
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == n, "bias must be float32 [N]");
+  }
+  const int64_t m = x2.size(0);
+  auto y = at::empty({m, n}, x2.options());
+#ifdef SPECCHAT_FIXED_X86
+  const bool avx512 = isa == "avx512";
+  const float* xp = x2.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  // Outputs go NB at a time (more for one or two rows: more weight streams in flight),
+  // rows 4 at a time (fewer where the outputs take more registers).
+  const int64_t nb_max = m <= 2 && (avx512 || m == 1) ? 8 : 4;
+  const int64_t mb_max = nb_max == 8 ? m : 4;
+  // Threads split the outputs in whole tiles, ~64k weights at least each.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(k, 1) / nb_max);
+  split((n + nb_max - 1) / nb_max, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t j0 = t0 * nb_max; j0 < std::min(n, t1 * nb_max); j0 += nb_max) {
+      const int64_t nb = std::min<int64_t>(nb_max, n - j0);
+      for (int64_t i0 = 0; i0 < m; i0 += mb_max) {
+        const int64_t mb = std::min<int64_t>(mb_max, m - i0);
+        tile_for(avx512, mb, nb)(xp + i0 * k, k, wp + j0 * k, k, bp ? bp + j0 : nullptr,
+                                 yp + i0 * n + j0, n);
+      }
+    }
+  });
+#endif
+  auto shape = x.sizes().vec();
+  shape.back() = n;
+  return y.view(shape);
+}
 
 // dense: nn.Linear; the others mirror engine/quant.py's W4A8Linear, Int8WeightOnlyLinear,
 // Int4WeightOnlyLinear and Int8DynamicLinear (w8a8).
@@ -83,24 +344,32 @@ at::Tensor w4a8(const at::Tensor& x, const Projection& p) {
   return op.call(x, p.weight, p.scales, p.mins, p.out_features);
 }
 
-// nn.Linear on x [1, M, K]: one call, or (rows_apart) one call per row as a step makes it.
-at::Tensor dense(const Projection& p, const at::Tensor& x, bool rows_apart) {
+// How a block of several rows runs its float projections and silu (engine/invariance.py):
+// kBatched as transformers' modules (one call each), kApart one row at a time through
+// the calls a one-token step makes, kFixed float32 projections through fixed_linear (a
+// one-token step too) and the rest one row at a time.
+enum Rows : int64_t { kBatched = 0, kApart = 1, kFixed = 2 };
+
+// nn.Linear on x [1, M, K], as `rows` says.
+at::Tensor dense(const Projection& p, const at::Tensor& x, int64_t rows) {
   auto bias = p.bias.defined() ? c10::optional<at::Tensor>(p.bias) : c10::nullopt;
+  if (rows == kFixed && p.weight.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat)
+    return fixed_linear(x, p.weight, bias);
   const int64_t m = x.size(1);
-  if (!rows_apart || m == 1) return at::linear(x, p.weight, bias);
-  std::vector<at::Tensor> rows;
-  rows.reserve(m);
+  if (rows == kBatched || m == 1) return at::linear(x, p.weight, bias);
+  std::vector<at::Tensor> out;
+  out.reserve(m);
   for (int64_t r = 0; r < m; ++r)
-    rows.push_back(at::linear(x.narrow(1, r, 1).clone(), p.weight, bias));
-  return at::cat(rows, 1);
+    out.push_back(at::linear(x.narrow(1, r, 1).clone(), p.weight, bias));
+  return at::cat(out, 1);
 }
 
 // Mirrors nn.Linear, or engine/quant.py's W4A8Linear (+ SharedInputGroup's split and biases).
 void project(const Projection& p, const at::Tensor& x, std::vector<at::Tensor>& out,
-             bool rows_apart) {
+             int64_t rows) {
   at::Tensor y;
   if (p.kind == kDense) {
-    y = dense(p, x, rows_apart);
+    y = dense(p, x, rows);
   } else {
     auto shape = x.sizes().vec();
     auto x2 = x.reshape({-1, p.in_features}).to(p.compute).contiguous();
@@ -126,16 +395,16 @@ void project(const Projection& p, const at::Tensor& x, std::vector<at::Tensor>& 
     out.push_back(p.part_bias[i].defined() ? parts[i] + p.part_bias[i] : parts[i]);
 }
 
-// silu on x [1, M, I]; rows_apart: one row at a time. ATen's vectorized silu rounds
+// silu on x [1, M, I]; apart: one row at a time. ATen's vectorized silu rounds
 // differently from its scalar tail, so an element's value depends on where it falls
 // in the tensor unless each row is a tensor of its own, as in a one-token step.
-at::Tensor silu(const at::Tensor& x, bool rows_apart) {
+at::Tensor silu(const at::Tensor& x, bool apart) {
   const int64_t m = x.size(1);
-  if (!rows_apart || m == 1) return at::silu(x);
-  std::vector<at::Tensor> rows;
-  rows.reserve(m);
-  for (int64_t r = 0; r < m; ++r) rows.push_back(at::silu(x.narrow(1, r, 1).clone()));
-  return at::cat(rows, 1);
+  if (!apart || m == 1) return at::silu(x);
+  std::vector<at::Tensor> out;
+  out.reserve(m);
+  for (int64_t r = 0; r < m; ++r) out.push_back(at::silu(x.narrow(1, r, 1).clone()));
+  return at::cat(out, 1);
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -225,14 +494,15 @@ struct Decoder : torch::CustomClassHolder {
   // Layers first..first+L-1 for M new rows at positions past..past+M-1. h [1, M, H] the
   // rows' hidden states entering layer `first`; cos, sin [1, M, D]; keys[i], values[i] the
   // cache buffers [1, Hkv, capacity, D] of layer first+i, holding `past` positions and with
-  // room for M more. rows_apart: float projections and silu one row at a time. Writes
+  // room for M more. rows: how float projections and silu take the rows (Rows). Writes
   // the new K/V and returns the last layer's output [1, M, H].
   at::Tensor forward(at::Tensor h, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> keys,
                      std::vector<at::Tensor> values, int64_t past, int64_t first,
-                     bool rows_apart) {
+                     int64_t rows) {
     TORCH_CHECK(keys.size() == values.size() && first >= 0 &&
                     first + static_cast<int64_t>(keys.size()) <= static_cast<int64_t>(layers.size()),
                 "one cache buffer per layer run");
+    TORCH_CHECK(rows >= kBatched && rows <= kFixed, "unknown rows mode ", rows);
     const int64_t m = h.size(1), end = past + m;
     cos = cos.unsqueeze(1);  // [1, 1, M, D]
     sin = sin.unsqueeze(1);
@@ -243,7 +513,7 @@ struct Decoder : torch::CustomClassHolder {
       // attention
       auto x = rms_norm(h, l.norm1, l.eps1);
       parts.clear();
-      for (const auto& p : l.qkv) project(p, x, parts, rows_apart);
+      for (const auto& p : l.qkv) project(p, x, parts, rows);
       auto q = parts[0].view({1, m, -1, l.head_dim}).transpose(1, 2);  // [1, H, M, D]
       auto k = parts[1].view({1, m, -1, l.head_dim}).transpose(1, 2);  // [1, Hkv, M, D]
       auto v = parts[2].view({1, m, -1, l.head_dim}).transpose(1, 2);
@@ -267,15 +537,15 @@ struct Decoder : torch::CustomClassHolder {
       }
       att = att.reshape({1, m, -1}).contiguous();
       parts.clear();
-      project(l.o, att, parts, rows_apart);
+      project(l.o, att, parts, rows);
       h = h + parts[0];
       // MLP
       x = rms_norm(h, l.norm2, l.eps2);
       parts.clear();
-      for (const auto& p : l.gate_up) project(p, x, parts, rows_apart);
-      auto act = silu(parts[0], rows_apart) * parts[1];
+      for (const auto& p : l.gate_up) project(p, x, parts, rows);
+      auto act = silu(parts[0], rows != kBatched) * parts[1];
       parts.clear();
-      project(l.down, act, parts, rows_apart);
+      project(l.down, act, parts, rows);
       h = h + parts[0];
     }
     return h;
@@ -285,6 +555,8 @@ struct Decoder : torch::CustomClassHolder {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specchat, m) {
+  m.def("fixed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &fixed_linear);
+  m.def("fixed_linear_isa() -> str", &fixed_linear_isa);
   m.class_<Decoder>("Decoder")
       .def(torch::init<>())
       .def("add_layer", &Decoder::add_layer)

@@ -5,8 +5,9 @@ rarely flip a greedy choice on this model. So these tests also compare what
 rounding does move: each verify-block row's logits against the one-token
 step's (torch.equal), and the target probability of every emitted token,
 which is computed from the logits of its own row. With float projections fed
-as a whole block, both differ in the low bits (p_target by ~2e-6 on these
-prompts); with rows apart, they are equal.
+as a whole block through MKL, both differ in the low bits (p_target by ~2e-6
+on these prompts); through the fixed-order kernel or with rows apart, they
+are equal.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specchat.engine import decoder
+from specchat.engine import decoder, invariance
 from specchat.engine.config import DecodeConfig, Mode
 from specchat.engine.events import TokenEvent
 from specchat.engine.loading import layer_truncated
@@ -47,8 +48,13 @@ def stories() -> tuple[torch.nn.Module, object]:
     return model, tok  # type: ignore[return-value]
 
 
+@pytest.mark.parametrize("setting", ["1", "apart"], ids=["default", "rows-apart"])
 @pytest.mark.parametrize("native", [True, False], ids=["native", "modules"])
-def test_verify_block_rows_equal_one_token_steps(stories: tuple, native: bool) -> None:
+def test_verify_block_rows_equal_one_token_steps(
+    stories: tuple, native: bool, setting: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """By the fixed-order kernel where this CPU has one (default), and by rows apart."""
+    monkeypatch.setenv(invariance.ENV, setting)
     model, _ = stories
     runner = ModelRunner(model, torch.device("cpu"))
     assert runner.exactness.identical, runner.exactness

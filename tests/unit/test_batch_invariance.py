@@ -1,11 +1,13 @@
 """Batch invariance (engine/invariance.py): a row fed in a block scores as it does alone.
 
 The first tests measure what breaks it on this CPU: a float GEMM and silu give
-a row other bits in a block than alone. The rest feed float models through
-ModelRunner (the native decoder and transformers' modules) and require each
-row of a verify block to equal the one-token step's logits with torch.equal,
-and greedy speculative output to equal plain output on a model built to be
-full of near-ties, where rounding decides most choices.
+a row other bits in a block than alone; the fixed-order kernel does not. The
+rest feed float models through ModelRunner (the native decoder and
+transformers' modules, by either path: the fixed-order kernel, or rows apart
+through ATen) and require each row of a verify block to equal the one-token
+step's logits with torch.equal, and greedy speculative output to equal plain
+output on a model built to be full of near-ties, where rounding decides most
+choices.
 """
 
 from __future__ import annotations
@@ -60,6 +62,39 @@ def test_silu_gives_an_element_other_bits_by_where_it_falls() -> None:
         pytest.skip("this CPU's silu rounds the same in vector and scalar code here")
 
 
+FIXED_ISA = invariance.fixed_kernel()
+needs_fixed = pytest.mark.skipif(
+    FIXED_ISA not in ("avx512", "avx2"), reason=f"{FIXED_ISA} (the engine takes rows apart here)"
+)
+
+
+@needs_fixed
+def test_the_fixed_kernel_gives_a_row_the_same_bits_in_any_block() -> None:
+    """Any row count up to MAX_ROWWISE, odd shapes, bias or not, 1 or 2 threads: equal bits,
+    and as accurate as MKL's GEMM against float64."""
+    gen = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    for k, n in ((64, 64), (7, 5), (17, 33), (172, 72), (899, 1031), (1536, 1536)):
+        w = torch.randn(n, k, generator=gen) * k**-0.5
+        x = torch.randn(1, MAX_ROWWISE, k, generator=gen)
+        for bias in (None, torch.randn(n, generator=gen)):
+            block = invariance.fixed_linear(x, w, bias)  # [1, 32, N]
+            for m in (1, 2, 3, 5, 8, 9, 31):
+                assert torch.equal(invariance.fixed_linear(x[:, :m], w, bias), block[:, :m])
+            alone = torch.cat(
+                [invariance.fixed_linear(x[:, r : r + 1].clone(), w, bias) for r in range(5)], 1
+            )
+            assert torch.equal(alone, block[:, :5])
+            try:
+                torch.set_num_threads(3 - threads if threads <= 2 else 1)
+                assert torch.equal(invariance.fixed_linear(x, w, bias), block)
+            finally:
+                torch.set_num_threads(threads)
+            exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            mkl = float((F.linear(x, w, bias) - exact).abs().max())
+            assert float((block - exact).abs().max()) <= 2 * mkl + 1e-6, (k, n)
+
+
 def tiny_qwen2() -> Qwen2ForCausalLM:
     """q/k/v biases and a tied head: F.linear with a bias, and the embedding as the head."""
     config = Qwen2Config(
@@ -89,6 +124,15 @@ MODELS = {
 }
 
 
+@pytest.fixture(params=["fixed", "apart"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The fixed-order kernel (where this CPU has one), or rows apart through ATen."""
+    if request.param == "fixed" and FIXED_ISA not in ("avx512", "avx2"):
+        pytest.skip(FIXED_ISA)
+    monkeypatch.setenv(invariance.ENV, "1" if request.param == "fixed" else "apart")
+    return str(request.param)
+
+
 def runner_for(model: torch.nn.Module, native: bool) -> ModelRunner:
     runner = ModelRunner(model, torch.device("cpu"))  # type: ignore[arg-type]
     if native:
@@ -113,10 +157,11 @@ def steps_and_block(
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "modules"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_each_row_of_a_verify_block_equals_its_step(name: str, native: bool) -> None:
+def test_each_row_of_a_verify_block_equals_its_step(name: str, native: bool, path: str) -> None:
     """keep = k+1 rows of a block against one-token feeds, bit for bit, float32."""
     runner = runner_for(MODELS[name](), native)
-    assert runner.exactness.identical and runner.exactness.rows_apart, runner.exactness
+    assert runner.exactness.identical, runner.exactness
+    assert runner.exactness.rows == (invariance.FIXED if path == "fixed" else invariance.APART)
     for n in (2, ROWS, 9, MAX_ROWWISE):
         steps, block = steps_and_block(runner, list(range(5, 40)), n, keep=n)
         for i, step in enumerate(steps):
@@ -131,9 +176,10 @@ def test_each_row_of_a_verify_block_equals_its_step(name: str, native: bool) -> 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "modules"])
 def test_bfloat16_rows_equal_their_steps_too(native: bool) -> None:
+    """No fixed kernel for bfloat16: rows apart (a block differs by up to 0.13 without)."""
     model = tiny_llama(seed=3, layers=3, hidden=256, intermediate=688).to(torch.bfloat16)
     runner = runner_for(model, native)
-    assert "bfloat16" in runner.exactness.reason
+    assert runner.exactness.rows == invariance.APART and "bfloat16" in runner.exactness.reason
     steps, block = steps_and_block(runner, list(range(5, 40)), ROWS, keep=ROWS)
     for i, step in enumerate(steps):
         assert torch.equal(block[i], step), i
@@ -155,6 +201,10 @@ def test_turned_off_a_block_is_one_gemm_and_rows_differ(monkeypatch: pytest.Monk
 def test_the_plan_names_the_path_or_why_not() -> None:
     dense = invariance.plan(runner_for(tiny_llama(), native=True).model)
     assert dense.identical and "token-identical" in dense.reason and "float32" in dense.reason
+    if dense.fixed:
+        assert f"fixed-order kernel ({FIXED_ISA})" in dense.reason
+    else:
+        assert "one row at a time" in dense.reason and FIXED_ISA in dense.reason
     model = quant.apply(tiny_llama(hidden=64), QuantMode.W8A8)
     runner = ModelRunner(model, torch.device("cpu"))  # type: ignore[arg-type]
     assert runner.exactness.identical and "w8a8 kernels" in runner.exactness.reason
@@ -213,6 +263,7 @@ def test_greedy_speculation_equals_plain_on_near_ties(
     mode: Mode,
     kw: dict[str, object],
     native: bool,
+    path: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     if not native:
@@ -220,3 +271,50 @@ def test_greedy_speculation_equals_plain_on_near_ties(
     for prompt in PROMPTS:
         plain = greedy(tie_target, prompt, Mode.PLAIN)
         assert greedy(tie_target, prompt, mode, **kw) == plain, prompt
+
+
+CHECK_IN_A_CHILD = """
+import torch, torch.nn.functional as F
+from specchat.engine import invariance
+from tests.tinymodels import tiny_llama
+from tests.unit.test_batch_invariance import runner_for, steps_and_block
+print(invariance.fixed_kernel())
+gen = torch.Generator().manual_seed(0)
+for k, n in ((7, 5), (172, 72), (899, 1031)):
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    x = torch.randn(1, 9, k, generator=gen)
+    if invariance.fixed_kernel() == "avx2":
+        block = invariance.fixed_linear(x, w, b)
+        assert all(torch.equal(invariance.fixed_linear(x[:, :m], w, b), block[:, :m]) for m in range(1, 10))
+        exact = F.linear(x.double(), w.double(), b.double())
+        assert float((block - exact).abs().max()) <= 2 * float((F.linear(x, w, b) - exact).abs().max()) + 1e-6
+runner = runner_for(tiny_llama(seed=3, layers=2, hidden=72, intermediate=172), native=True)
+print(runner.exactness.rows, runner.exactness.reason)
+steps, block = steps_and_block(runner, list(range(5, 40)), 5, keep=5)
+assert all(torch.equal(block[i], s) for i, s in enumerate(steps))
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx2", "none"])
+def test_a_cpu_with_less_takes_the_avx2_kernel_or_rows_apart(isa: str) -> None:
+    """SPECCHAT_FIXED_ISA asks the library for less than this CPU has: the AVX2 tiles
+    (exact and invariant too), or no kernel at all (then rows apart, and the reason says so)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if FIXED_ISA not in ("avx512", "avx2") or (isa == "avx2" and FIXED_ISA != "avx512"):
+        pytest.skip(f"this CPU has nothing more to step down from: {FIXED_ISA}")
+    env = {**os.environ, "SPECCHAT_FIXED_ISA": isa, invariance.ENV: "1"}
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", CHECK_IN_A_CHILD], env=env, cwd=root, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, rows = out.stdout.splitlines()[:2]
+    if isa == "avx2":
+        assert first == "avx2" and rows.startswith(f"{invariance.FIXED} ") and "(avx2)" in rows
+    else:
+        assert first.startswith("no fixed-order kernel") and rows.startswith(f"{invariance.APART} ")
+        assert "one row at a time" in rows
