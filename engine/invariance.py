@@ -117,9 +117,11 @@ def fixed_kernel() -> str:
 
     try:
         native.load("decoder")
-    except QuantizationError as exc:
+        isa = str(torch.ops.specchat.fixed_linear_isa())
+    except QuantizationError as exc:  # no compiler, or the build failed: says why
         return f"no fixed-order kernel: {exc.message}"
-    isa = str(torch.ops.specchat.fixed_linear_isa())
+    except (RuntimeError, AttributeError) as exc:  # a library without the op
+        return f"no fixed-order kernel: {str(exc).strip().splitlines()[0]}"
     return isa or "no fixed-order kernel: it needs an x86-64 CPU with AVX2 and FMA"
 
 
