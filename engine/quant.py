@@ -114,6 +114,12 @@ class _QuantizedLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+# torch's `_weight_int8pack_mm` CPU kernel segfaults on blocks of several rows when
+# in_features is not a multiple of 16 (measured: 168 and 184 with 5 rows on an
+# AVX-512 Xeon; one row runs), and a verify block is several rows.
+INT8_IN_MULTIPLE = 16
+
+
 class Int8WeightOnlyLinear(_QuantizedLinear):
     """y = x @ (int8 weight * per-channel scale)^T + bias, via `aten._weight_int8pack_mm`."""
 
@@ -122,8 +128,10 @@ class Int8WeightOnlyLinear(_QuantizedLinear):
     scales: torch.Tensor  # [N] bf16
 
     def __init__(self, linear: nn.Linear) -> None:
-        if linear.in_features % 8:  # the kernel would read past the row and crash the process
-            raise QuantizationError(f"int8 needs in_features % 8 == 0, got {linear.in_features}")
+        if linear.in_features % INT8_IN_MULTIPLE:  # else the kernel crashes the process
+            raise QuantizationError(
+                f"int8 needs in_features % {INT8_IN_MULTIPLE} == 0, got {linear.in_features}"
+            )
         super().__init__(linear)
         weight_int8, scales = quantize_int8(linear.weight.detach())
         self.register_buffer("weight_int8", weight_int8)
@@ -663,8 +671,9 @@ class _Int8WeightOnly(_PostLoad):
     def check(
         self, config: PretrainedConfig, device: torch.device, lm_head: bool, group_size: int
     ) -> None:
-        # The CPU kernel reads in_features in steps of 8 and crashes the process otherwise.
-        _require_in_multiple(self.mode, config, lm_head, 8, hint="use bnb-int8 or none")
+        _require_in_multiple(
+            self.mode, config, lm_head, INT8_IN_MULTIPLE, hint="use bnb-int8 or none"
+        )
 
     def module(self, linear: nn.Linear, group_size: int) -> nn.Module:
         return Int8WeightOnlyLinear(linear)

@@ -399,8 +399,8 @@ def test_int4_group_size_rules() -> None:
     quant.check(QuantMode.INT4, odd_vocab, CPU, group_size=32, lm_head=False)
 
 
-def test_int8_needs_in_features_multiple_of_8() -> None:
-    with pytest.raises(QuantizationError, match="multiple of 8; .* has 100"):
+def test_int8_needs_in_features_multiple_of_16() -> None:
+    with pytest.raises(QuantizationError, match="multiple of 16; .* has 100"):
         quant.check(QuantMode.INT8, tiny_config(intermediate=100), CPU)
     # apply refuses too, instead of letting the kernel crash the process
     with pytest.raises(QuantizationError, match="got 100"):
@@ -509,3 +509,28 @@ def test_post_load_modes_report_progress_to_the_last_module(mode: QuantMode) -> 
     assert total == linears if not fused else total < linears
     assert [done for done, _ in calls] == list(range(1, total + 1))
     assert not any(type(m) is nn.Linear for m in model.modules())  # every Linear replaced
+
+
+def test_int8_refuses_widths_its_kernel_crashes_on_with_several_rows() -> None:
+    """torch's int8 kernel segfaults on a verify block (rows > 1) when in_features % 16 != 0.
+
+    The crash itself runs in a child process (it would take pytest down); the
+    check must refuse those widths and keep the ones that run.
+    """
+    import subprocess
+    import sys
+
+    crash = (
+        "import torch\n"
+        "x = torch.randn(5, {k}).bfloat16()\n"
+        "w = torch.randint(-100, 100, (64, {k}), dtype=torch.int8)\n"
+        "torch.ops.aten._weight_int8pack_mm(x, w, torch.ones(64).bfloat16())\n"
+    )
+    ran = subprocess.run([sys.executable, "-c", crash.format(k=176)], timeout=120)
+    assert ran.returncode == 0  # a multiple of 16 runs
+    with pytest.raises(QuantizationError, match="in_features % 16"):
+        quant.Int8WeightOnlyLinear(nn.Linear(168, 64))
+    config = tiny_config(hidden=64, intermediate=168)
+    with pytest.raises(QuantizationError, match="16"):
+        quant.check(QuantMode.INT8, config, CPU)
+    quant.check(QuantMode.INT8, tiny_config(hidden=64, intermediate=176), CPU)
