@@ -173,6 +173,7 @@ class ChatSession:
         c = self.costs.ratio()
         notes = list(self._notes)
         runner = self.target_runner
+        notes.append(f"greedy exactness: {runner.exactness.reason}")
         if runner.native is None and self.target.device.type == "cpu":
             notes.append(f"decoding through transformers' modules, not natively: {runner.native_off}")
         if c is not None:

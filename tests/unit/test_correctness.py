@@ -327,3 +327,9 @@ def test_a_layer_truncated_draft_scores_row_wise_like_its_runner_says(
     runner.crop_to(len(seq) - 1)
     rows = torch.cat([runner.feed([t], keep=1) for t in seq[-1:] + [7, 8, 9]])
     assert torch.equal(block, rows)
+
+
+def test_the_ready_notes_say_where_greedy_identity_holds(target: torch.nn.Module) -> None:
+    notes = make(target).ready.notes
+    (line,) = [n for n in notes if n.startswith("greedy exactness: ")]
+    assert line == "greedy exactness: " + make(target).target_runner.exactness.reason
