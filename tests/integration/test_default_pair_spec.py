@@ -57,3 +57,19 @@ def test_greedy_speculative_equals_plain_on_the_default_pair(session: ChatSessio
         f"\nplain {p.stats.tokens_per_s:.2f} tok/s, spec {s.stats.tokens_per_s:.2f} tok/s, "
         f"acceptance {s.stats.acceptance_rate:.2f}, tokens/round {s.stats.mean_accepted_length:.2f}"
     )
+
+
+@pytest.fixture(scope="module")
+def plain_reply(session: ChatSession) -> list[int]:
+    return reply(session, DecodeConfig(mode=Mode.PLAIN, max_new_tokens=32))[0]
+
+
+@pytest.mark.parametrize("mode", [Mode.LOOKUP, Mode.SELF_SPEC])
+def test_every_lossless_mode_equals_plain_in_float32_by_design(
+    session: ChatSession, plain_reply: list[int], mode: Mode
+) -> None:
+    """Not by luck: the target's runner states that its verify blocks score as its steps."""
+    assert session.target_runner.exactness.identical, session.target_runner.exactness.reason
+    got, fin = reply(session, DecodeConfig(mode=mode, k=4, max_new_tokens=32))
+    assert got == plain_reply
+    assert fin.stats.rounds < 32 or mode is Mode.LOOKUP  # self-spec drafts every round
