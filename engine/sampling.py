@@ -74,6 +74,14 @@ def residual(p_target: Tensor, p_draft: Tensor) -> Tensor:
     return torch.where(total > 0, r / total.clamp_min(1e-30), p_target)
 
 
+def residual_one_hot(p_target: Tensor, ids: Tensor) -> Tensor:
+    """The residual for one-hot drafts (p_draft = 1 on ids [N]): p_target [N, V] without
+    the drafted token, renormalised; p_target itself where it had no other mass."""
+    rows = torch.arange(ids.shape[0], device=ids.device)
+    left = p_target.index_put((rows, ids), torch.zeros_like(ids, dtype=p_target.dtype))
+    return residual(left, torch.zeros_like(left))
+
+
 def token_probs(logits: Tensor, ids: Tensor) -> Tensor:
     """softmax(logits)[ids] without materialising the softmax: logits [N, V], ids [N] -> [N]."""
     x = logits.float()

@@ -33,7 +33,14 @@ from torch import Tensor
 from .config import DecodeConfig
 from .events import Provenance
 from .runner import ModelRunner
-from .sampling import align_vocab, logits_to_probs, residual, sample, token_probs
+from .sampling import (
+    align_vocab,
+    logits_to_probs,
+    residual,
+    residual_one_hot,
+    sample,
+    token_probs,
+)
 
 
 @dataclass(slots=True)
@@ -185,8 +192,7 @@ def accept_or_resample(
     pt = p_target[idx, draft_ids]  # p_target_i(d_i)  [k]
     if p_draft is None:  # one-hot: p_draft_i = 1 on d_i, so max(0, p_target - p_draft) drops d_i
         pd = torch.ones_like(pt)
-        left = p_target[:k].index_put((idx, draft_ids), torch.zeros_like(pt))  # [k, V]
-        resid = residual(left, torch.zeros_like(left))
+        resid = residual_one_hot(p_target[:k], draft_ids)  # [k, V]
     else:
         pd = p_draft[idx, draft_ids]  # p_draft_i(d_i)  [k]
         resid = residual(p_target[:k], p_draft)  # [k, V]

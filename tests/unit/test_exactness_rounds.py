@@ -367,3 +367,41 @@ def test_the_round_statistics_reject_top_p_applied_to_neither_model(
     rounds = e2e_rounds(e2e_models, 500, seed=9)
     pvalues = [p for p, _, _ in e2e_pvalues(rounds, e2e_models[0])]
     assert min(pvalues) < ALPHA, f"p-values {pvalues}"
+
+
+# -- one-hot drafts (prompt lookup): p_draft is 1 on the copied token --------------------
+
+
+def run_one_hot(p_target: torch.Tensor, drafts: torch.Tensor, n: int, seed: int) -> Rounds:
+    """n rounds of the rule on the same copied drafts [K], as a lookup proposes them."""
+    g = torch.Generator().manual_seed(seed)
+    rounds = []
+    for _ in range(n):
+        n_acc, last = accept_or_resample(p_target, None, drafts, g)
+        rounds.append([*drafts[: int(n_acc)].tolist(), int(last)])
+    return rounds
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["engine", "residual-keeps-the-draft"])
+def test_one_hot_drafts_follow_the_target_at_every_position(
+    wrong: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lookup's copied drafts: accepted with p_target(d), else resampled from p_target without d.
+
+    Rows: fixed_rows' target at temperature 0.7 (top tokens 0.3-0.6), drafts the
+    rows' most probable tokens; seed 7, N = 20,000 rounds; p > 1e-3 at every
+    position. With the residual left at p_target (the copied token not removed),
+    some position must fall below 1e-3: the test can fail.
+    """
+    p_target, _ = fixed_rows(0.7, 0, 1.0)
+    drafts = p_target[:K].argmax(dim=-1)
+    if wrong:
+        monkeypatch.setattr(speculative, "residual_one_hot", lambda p, ids: p)
+    rounds = run_one_hot(p_target, drafts, 20_000, seed=7)
+    lengths = np.bincount([len(r) for r in rounds], minlength=K + 2)
+    assert lengths[1:].min() >= 300, f"rounds ending at each position {lengths[1:]}"
+    pvalues = [p for p, _, _ in rule_pvalues(rounds, p_target)]
+    if wrong:
+        assert min(pvalues) < ALPHA, pvalues
+    else:
+        assert min(pvalues) > ALPHA, pvalues
