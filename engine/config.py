@@ -72,6 +72,9 @@ class DecodeConfig:
     k_min: int = 1
     k_max: int = 8
     max_new_tokens: int = 256
+    # spec: prompt lookup drafts first, the draft model where it finds nothing
+    # (engine/compose.py); False: the draft model alone, for its own acceptance.
+    compose: bool = True
     stop: tuple[str, ...] = field(default_factory=tuple)
     seed: int | None = None
     # early exit (lossy) and self-speculation (lossless)

@@ -74,6 +74,9 @@ class RoundEvent:
     # One plain target step as the controller measures it (speculative modes): the
     # unit in which the draft cost c and the verify cost v are stated.
     target_step_ms: float | None = None
+    # Which drafter proposed this round's drafts ("lookup", the draft model's name,
+    # "self-spec E=7"); None for a round without drafts.
+    drafter: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

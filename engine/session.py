@@ -34,6 +34,7 @@ from .events import (
     TurnStats,
 )
 from .loading import LoadedModel, check_tokenizers_match, load_model, set_threads
+from .lookup import LookupDrafter
 from .runner import ModelRunner
 from .speculative import (
     Drafter,
@@ -97,7 +98,8 @@ class ChatSession:
         )
         self._self_drafter: Drafter | None = None
         self._self_drafter_layer: int | None = None
-        self._lookup_drafter: Drafter | None = None
+        self._lookup_drafter: LookupDrafter | None = None
+        self._composed: Drafter | None = None  # spec's lookup-first drafter, made on first use
         self.system_prompt = system_prompt
         limits = [target.info.context_length]
         if draft:
@@ -366,6 +368,12 @@ class ChatSession:
         if cfg.mode is Mode.SPEC:
             if self.drafter is None:
                 return None, "no draft model is loaded: plain decoding"
+            if cfg.compose:
+                if self._composed is None:
+                    from .compose import ComposedDrafter
+
+                    self._composed = ComposedDrafter(self._lookup(), self.drafter)
+                return self._composed, None
             return self.drafter, None
         if cfg.mode is Mode.SELF_SPEC:
             try:
@@ -378,12 +386,15 @@ class ChatSession:
                 self._self_drafter_layer = layer
             return self._self_drafter, None
         if cfg.mode is Mode.LOOKUP:
-            if self._lookup_drafter is None:
-                from .lookup import LookupDrafter
-
-                self._lookup_drafter = LookupDrafter(self.target_runner.vocab, self.target.device)
-            return self._lookup_drafter, None
+            return self._lookup(), None
         return None, None
+
+    def _lookup(self) -> LookupDrafter:
+        if self._lookup_drafter is None:
+            from .lookup import LookupDrafter
+
+            self._lookup_drafter = LookupDrafter(self.target_runner.vocab, self.target.device)
+        return self._lookup_drafter
 
     # -- the decoding loop ----------------------------------------------------
 
@@ -425,7 +436,7 @@ class ChatSession:
         self.tokens = []
         self._approx_from = None
         self.target_runner.reset()
-        for d in (self.drafter, self._self_drafter):
+        for d in (self.drafter, self._self_drafter, self._composed):
             if d is not None:
                 d.reset()
 
@@ -521,7 +532,9 @@ class ChatSession:
             if mode is not Mode.PLAIN and k >= 1 and drafter is not None:
                 res = speculative_round(self.target_runner, drafter, seq, k, cfg, generator)
                 if res.k:
-                    controller.observe_round(res.k, res.accepted, res.draft_ms, res.verify_ms)
+                    if not (run_mode is Mode.SPEC and res.drafter == "lookup"):
+                        # a copied draft says nothing of what the draft model costs or gets right
+                        controller.observe_round(res.k, res.accepted, res.draft_ms, res.verify_ms)
                     round_mode = run_mode
                 else:  # a lookup that found nothing: the round was a plain step
                     controller.observe_plain(res.verify_ms)
@@ -572,6 +585,7 @@ class ChatSession:
                 ),
                 next_k=controller.k if speculative else None,
                 target_step_ms=controller.costs.target_step_ms if speculative else None,
+                drafter=res.drafter,
             )
 
         # A reply cut inside a multi-byte character ends without it: those bytes are

@@ -65,6 +65,7 @@ class RoundResult:
     draft_ms: float
     verify_ms: float
     layers_run: list[int] = field(default_factory=list)  # per emitted token, when known
+    drafter: str | None = None  # who proposed the drafts (k > 0)
 
 
 @dataclass(slots=True)
@@ -80,6 +81,7 @@ class Proposal:
     ids: Tensor  # [n] long
     logits: Tensor | None = None  # [n, V]
     probs: Tensor | None = None  # [n, V] float32, sampled decoding only
+    source: str | None = None  # who proposed them, where a drafter composes several
 
     @property
     def n(self) -> int:
@@ -320,4 +322,5 @@ def speculative_round(
     # the round's last token is fed at the start of the next round.
     target.crop_to(n0 + n)
     drafter.rollback(n0 + n)
-    return RoundResult(tokens, k, n, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
+    source = (prop.source or drafter.name) if k else None
+    return RoundResult(tokens, k, n, (t1 - t0) * 1e3, (t2 - t1) * 1e3, drafter=source)

@@ -231,6 +231,21 @@ async def test_inspector_shows_where_a_token_came_from() -> None:
         assert reply.cursor is None
 
 
+async def test_inspector_names_the_drafter_of_a_composed_round() -> None:
+    """In spec mode lookup and the draft model take turns: the inspector says which drafted."""
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        inspector = app.query_one(Inspector)
+        tok = TokenEvent(7, "x", Provenance.ACCEPTED, round=1, position=0, p_target=0.9, p_draft=1.0)
+        for drafter, copied in (("lookup", True), ("Qwen2.5-Coder-0.5B-Instruct", False)):
+            rnd = RoundEvent(1, Mode.SPEC, k=3, accepted=1, draft_ms=0.1, verify_ms=9.0, drafter=drafter)
+            inspector.show(tok, 0, 1, rnd)
+            text = plain(inspector.render())
+            assert f"drafted by {drafter}" in text
+            assert ("copied from earlier" in text) is copied
+
+
 async def test_inspector_early_exit_token_and_mouse_click() -> None:
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:

@@ -75,6 +75,14 @@ def add_decode_args(p: argparse.ArgumentParser, *, mode_default: str | None = No
     g.add_argument(
         "--k", type=int, default=None, help="force K draft tokens per round (default: adaptive)"
     )
+    g.add_argument(
+        "--no-compose",
+        dest="compose",
+        action="store_false",
+        default=None,
+        help="spec: draft with the draft model alone (default: prompt lookup first, "
+        "the draft model where it finds nothing)",
+    )
     g.add_argument("--max-new-tokens", type=int, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
@@ -94,6 +102,7 @@ def decode_config(args: argparse.Namespace, base: DecodeConfig | None = None) ->
         ("top_p", "top_p"),
         ("top_k", "top_k"),
         ("k", "k"),
+        ("compose", "compose"),
         ("max_new_tokens", "max_new_tokens"),
         ("seed", "seed"),
         ("exit_threshold", "exit_threshold"),

@@ -56,9 +56,14 @@ class Inspector(Widget):
         grid.add_row("", Text(DESCRIPTIONS[tok.provenance], style="italic"))
         grid.add_row("p_target", _p(tok.p_target))
         p_draft = _p(tok.p_draft)
-        if self.round is not None and self.round.mode is Mode.LOOKUP and tok.position is not None:
+        copied = self.round is not None and (
+            self.round.mode is Mode.LOOKUP or self.round.drafter == "lookup"
+        )
+        if copied and tok.position is not None:
             p_draft += "  (lookup: copied from earlier in the conversation)"
         grid.add_row("p_draft", p_draft)
+        if self.round is not None and self.round.drafter and tok.position is not None:
+            grid.add_row("drafted by", self.round.drafter)
         if tok.provenance is Provenance.CORRECTED or tok.rejected_id is not None:
             refused = "—"
             if tok.rejected_id is not None:

@@ -1,0 +1,67 @@
+"""Composed drafting in spec mode: prompt lookup first, the draft model where it finds nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specchat.engine.config import DecodeConfig, Mode
+from specchat.engine.events import Provenance, RoundEvent, TokenEvent
+from tests.tinymodels import pair_session, tiny_llama, turn_finished
+
+# The tiny models repeat themselves: a prompt that repeats gives the lookup matches.
+REPEATING = "one two three four one two three four one two three four one two"
+
+
+@pytest.fixture(scope="module")
+def target() -> torch.nn.Module:
+    return tiny_llama(seed=0, layers=4)
+
+
+def run(target: torch.nn.Module, cfg: DecodeConfig) -> list[object]:
+    return list(pair_session(target).stream(REPEATING, cfg))
+
+
+def drafters(events: list[object]) -> set[str | None]:
+    return {e.drafter for e in events if isinstance(e, RoundEvent) and e.k}
+
+
+def test_spec_drafts_by_lookup_where_it_matches_and_by_the_model_elsewhere(
+    target: torch.nn.Module,
+) -> None:
+    cfg = DecodeConfig(mode=Mode.SPEC, k=3, max_new_tokens=48)
+    composed = run(target, cfg)
+    assert drafters(composed) == {"lookup", "tiny-draft"}
+    alone = run(target, cfg.with_(compose=False))
+    assert drafters(alone) == {"tiny-draft"}
+    plain = run(target, cfg.with_(mode=Mode.PLAIN))
+    ids = [[e.token_id for e in ev if isinstance(e, TokenEvent)] for ev in (composed, alone, plain)]
+    assert ids[0] == ids[1] == ids[2]  # greedy: whoever drafts, the target's tokens
+
+
+def test_the_draft_model_catches_up_on_what_lookup_drafted(target: torch.nn.Module) -> None:
+    """A model-drafted round's p_draft (of the accepted or the corrected token) is what the
+    draft model gives after the whole prefix, lookup rounds included (a draft left behind
+    would score another prefix)."""
+    s = pair_session(target)
+    cfg = DecodeConfig(mode=Mode.SPEC, k=3, max_new_tokens=64)
+    # On this prompt lookup and the model take turns (MMMMMMMLMMMMMMMMLMLL...).
+    events = list(s.stream("def add(a, b):\n    return a + b\n", cfg))
+    assert turn_finished(events).stats.tokens == 64
+    by_round = {e.round: e.drafter for e in events if isinstance(e, RoundEvent)}
+    reply = [e for e in events if isinstance(e, TokenEvent)]
+    prompt = s.tokens[: len(s.tokens) - len(reply)]
+    draft = s.draft.model if s.draft is not None else None
+    assert draft is not None
+    checked = 0
+    lookup_seen = False
+    for j, tok in enumerate(reply):
+        lookup_seen |= by_round[tok.round] == "lookup"
+        if by_round[tok.round] != "tiny-draft" or tok.provenance is Provenance.BONUS:
+            continue
+        prefix = torch.tensor([prompt + [t.token_id for t in reply[:j]]])
+        with torch.inference_mode():
+            want = torch.softmax(draft(prefix).logits[0, -1].float(), -1)[tok.token_id]
+        assert tok.p_draft == pytest.approx(float(want), rel=1e-4, abs=1e-6)
+        checked += lookup_seen  # after a lookup round: the catch-up
+    assert checked >= 10
