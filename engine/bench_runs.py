@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .config import DecodeConfig, Mode, QuantMode
+from .config import SPEC_ALONE, DecodeConfig, Mode, QuantMode
 from .errors import EngineError
 from .events import Failed, Notice, RoundEvent, TokenEvent, TurnFinished, TurnStarted
 
@@ -390,7 +390,10 @@ def run_session_arm(
     telemetry: Telemetry | None = None,
 ) -> RunRecord:
     """Decode `prompt` in mode `arm` and fill `rec`."""
-    mode = Mode(arm)
+    if arm == SPEC_ALONE:  # the draft model's own acceptance, no lookup first
+        mode, cfg = Mode.SPEC, cfg.with_(compose=False)
+    else:
+        mode = Mode(arm)
     cfg = cfg.with_(mode=mode)
     model_name = session.target.info.name
     emits: list[tuple[float, int]] = []

@@ -23,6 +23,9 @@ class Mode(StrEnum):
 
 SPECULATIVE_MODES = frozenset({Mode.SPEC, Mode.SELF_SPEC, Mode.LOOKUP})  # draft, then verify
 
+# The bench's and A/B's name for spec with the draft model alone (compose=False).
+SPEC_ALONE = "spec-alone"
+
 # The most draft tokens a round verifies. A verify block is the last token plus K
 # drafts, and a token scores exactly as it would alone only while the block takes
 # the row-wise attention path (engine/attention.py, MAX_ROWWISE = 32 rows).

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specchat.engine.config import Mode
+from specchat.engine.config import SPEC_ALONE, Mode
 
 from . import common
 
@@ -39,7 +39,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--modes",
         default=ALL_MODES,
-        help=f"comma-separated modes to run (default: {ALL_MODES})",
+        help=f"comma-separated modes to run (default: {ALL_MODES}); "
+        f"{SPEC_ALONE}: spec with the draft model alone, without lookup first",
     )
     add_run_args(p)
     p.add_argument(
@@ -238,9 +239,11 @@ def run(args: argparse.Namespace) -> int:
     if args.prompts is None:
         return error("--prompts is required", hint="e.g. --prompts prompts.jsonl")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in {x.value for x in Mode}]
+    bad = [m for m in modes if m not in {x.value for x in Mode} | {SPEC_ALONE}]
     if bad:
-        return error(f"unknown mode(s) {', '.join(bad)}", hint=f"choose from {ALL_MODES}")
+        return error(
+            f"unknown mode(s) {', '.join(bad)}", hint=f"choose from {ALL_MODES},{SPEC_ALONE}"
+        )
     if args.repeats < 1:
         return error("--repeats must be at least 1")
 
