@@ -53,6 +53,7 @@ from .bench_runs import (
     BenchPrompt,
     Memory,
     RunRecord,
+    arm_config,
     fresh_conversation,
     run_hf_arm,
     run_session_arm,
@@ -426,7 +427,7 @@ def distribution_check(
             if progress:
                 progress(s - first_seed, seeds, prompt.id)
             for arm in (a, b):
-                run_cfg = cfg.with_(mode=Mode(arm), seed=s)
+                run_cfg = arm_config(arm, cfg).with_(seed=s)
                 counts[arm][_first_tokens(session, prompt, run_cfg, n_tokens)] += 1
     finally:
         session.system_prompt = system

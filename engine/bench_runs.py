@@ -36,7 +36,7 @@ except Exception:  # pragma: no cover - psutil is a dependency
 HF_GENERATE = "hf-generate"
 HF_ASSISTED = "hf-assisted"
 BASELINES = (HF_GENERATE, HF_ASSISTED)
-SESSION_ARMS = tuple(m.value for m in Mode)
+SESSION_ARMS = (*(m.value for m in Mode), SPEC_ALONE)
 ROLES = ("system", "user", "assistant")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTS = ("auto", *(q.value for q in QuantMode))
@@ -380,6 +380,13 @@ def fresh_conversation(session: ChatSession, prompt: BenchPrompt, system: str | 
     session.system_prompt = prompt.system if prompt.system is not None else system
 
 
+def arm_config(arm: str, cfg: DecodeConfig) -> DecodeConfig:
+    """The decoding settings of a session arm: a mode, or spec with the draft model alone."""
+    if arm == SPEC_ALONE:
+        return cfg.with_(mode=Mode.SPEC, compose=False)
+    return cfg.with_(mode=Mode(arm))
+
+
 def run_session_arm(
     session: ChatSession,
     prompt: BenchPrompt,
@@ -390,11 +397,8 @@ def run_session_arm(
     telemetry: Telemetry | None = None,
 ) -> RunRecord:
     """Decode `prompt` in mode `arm` and fill `rec`."""
-    if arm == SPEC_ALONE:  # the draft model's own acceptance, no lookup first
-        mode, cfg = Mode.SPEC, cfg.with_(compose=False)
-    else:
-        mode = Mode(arm)
-    cfg = cfg.with_(mode=mode)
+    cfg = arm_config(arm, cfg)
+    mode = cfg.mode
     model_name = session.target.info.name
     emits: list[tuple[float, int]] = []
     round_tokens = 0

@@ -65,3 +65,13 @@ def test_the_draft_model_catches_up_on_what_lookup_drafted(target: torch.nn.Modu
         assert tok.p_draft == pytest.approx(float(want), rel=1e-4, abs=1e-6)
         checked += lookup_seen  # after a lookup round: the catch-up
     assert checked >= 10
+
+
+def test_the_bench_runs_spec_alone_as_the_draft_model_without_lookup() -> None:
+    from specchat.engine.bench_runs import SESSION_ARMS, arm_config
+    from specchat.engine.config import SPEC_ALONE
+
+    assert SPEC_ALONE in SESSION_ARMS
+    alone = arm_config(SPEC_ALONE, DecodeConfig(k=2))
+    assert alone.mode is Mode.SPEC and not alone.compose and alone.k == 2
+    assert arm_config("spec", DecodeConfig()).compose
