@@ -9,6 +9,11 @@ one proposer, named in `Proposal.source` (and so in the round's event), and
 the speculative rule is the one its proposal needs (one-hot for a copy), so
 the round stays exact whichever drafted.
 
+The session asks `copies(seq)` before a round: a copy's round is priced by
+a controller of its own (a copy costs nothing to draft and is often long),
+the model's rounds by the draft model's controller, so neither's costs and
+acceptance blur the other's.
+
 The model is kept in step lazily: a round the lookup drafted leaves it
 behind, and its `catch_up` feeds the missed tokens before the next round it
 drafts (outside the timed draft, as after a plain stretch).
@@ -32,21 +37,22 @@ class ComposedDrafter:
         self.name = f"lookup, else {model.name}"
         self._copied: tuple[int, list[int]] | None = None  # (len(seq), what lookup found)
 
+    def copies(self, seq: list[int]) -> bool:
+        """Whether the lookup has a draft after seq (kept for this round's propose)."""
+        if self._copied is None or self._copied[0] != len(seq):
+            self._copied = (len(seq), self.lookup.match(seq, MAX_K))
+        return bool(self._copied[1])
+
     def catch_up(self, seq: list[int]) -> None:
-        """Look up first (untimed, as catch-up is); bring the model up only if it will draft."""
-        found = self.lookup.match(seq, MAX_K)
-        self._copied = (len(seq), found)
-        if not found:
+        """Bring the model up only if it will draft (catch-up is untimed)."""
+        if not self.copies(seq):
             self.model.catch_up(seq)
 
     def propose(
         self, seq: list[int], k: int, cfg: DecodeConfig, generator: torch.Generator | None
     ) -> Proposal:
-        copied = self._copied
+        found = self._copied[1] if self.copies(seq) and self._copied is not None else []
         self._copied = None
-        found = copied[1] if copied is not None and copied[0] == len(seq) else None
-        if found is None:
-            found = self.lookup.match(seq, k)
         if found:
             ids = torch.tensor(found[:k], dtype=torch.long, device=self.lookup.device)
             return Proposal(ids, source=self.lookup.name)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from .compose import ComposedDrafter
 from .config import SPECULATIVE_MODES, DecodeConfig, Mode, ModelSpec
 from .controller import Controller, Costs
 from .errors import ContextOverflowError, EngineError
@@ -99,7 +100,7 @@ class ChatSession:
         self._self_drafter: Drafter | None = None
         self._self_drafter_layer: int | None = None
         self._lookup_drafter: LookupDrafter | None = None
-        self._composed: Drafter | None = None  # spec's lookup-first drafter, made on first use
+        self._composed: ComposedDrafter | None = None  # spec's lookup-first drafter, made on first use
         self.system_prompt = system_prompt
         limits = [target.info.context_length]
         if draft:
@@ -370,8 +371,6 @@ class ChatSession:
                 return None, "no draft model is loaded: plain decoding"
             if cfg.compose:
                 if self._composed is None:
-                    from .compose import ComposedDrafter
-
                     self._composed = ComposedDrafter(self._lookup(), self.drafter)
                 return self._composed, None
             return self.drafter, None
@@ -501,6 +500,8 @@ class ChatSession:
             cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(4), "little")
         )
         controller = Controller(cfg, self._costs_for(run_mode))
+        composed = drafter if isinstance(drafter, ComposedDrafter) else None
+        copier = Controller(cfg, self._costs_for(Mode.LOOKUP)) if composed is not None else None
         decoder = IncrementalDecoder(
             self.tokenizer, context=ids, unfinished=self._unfinished if continuing else 0
         )
@@ -521,23 +522,29 @@ class ChatSession:
                 stop_reason = "context"
                 break
 
+            # Spec composed with lookup: a copy, where there is one, is priced by a
+            # controller of its own (its drafts cost nothing and run long); the draft
+            # model's rounds by the turn's controller.
+            ctl, round_drafter = controller, drafter
+            if composed is not None:
+                round_drafter = composed.model
+                if copier is not None and copier.mode is Mode.SPEC and composed.copies(seq):
+                    ctl, round_drafter = copier, composed
             if speculative:
-                mode, k = controller.next()
+                mode, k = ctl.next()
                 k = min(k, remaining - 1, room - 1)
             else:
                 mode, k = run_mode, 0
-            reason = controller.take_reason()
+            reason = ctl.take_reason()
 
             res: RoundResult
-            if mode is not Mode.PLAIN and k >= 1 and drafter is not None:
-                res = speculative_round(self.target_runner, drafter, seq, k, cfg, generator)
+            if mode is not Mode.PLAIN and k >= 1 and round_drafter is not None:
+                res = speculative_round(self.target_runner, round_drafter, seq, k, cfg, generator)
                 if res.k:
-                    if not (run_mode is Mode.SPEC and res.drafter == "lookup"):
-                        # a copied draft says nothing of what the draft model costs or gets right
-                        controller.observe_round(res.k, res.accepted, res.draft_ms, res.verify_ms)
+                    ctl.observe_round(res.k, res.accepted, res.draft_ms, res.verify_ms)
                     round_mode = run_mode
                 else:  # a lookup that found nothing: the round was a plain step
-                    controller.observe_plain(res.verify_ms)
+                    ctl.observe_plain(res.verify_ms)
                     round_mode = Mode.PLAIN
             elif early_exit_step is not None:
                 res = early_exit_step.step(seq, cfg, generator)
@@ -545,9 +552,9 @@ class ChatSession:
             else:
                 res = plain_step(self.target_runner, seq, cfg, generator)
                 if run_mode is not Mode.PLAIN:
-                    controller.observe_plain(res.verify_ms)
+                    ctl.observe_plain(res.verify_ms)
                 round_mode = Mode.PLAIN
-            reason = controller.take_reason() or reason
+            reason = ctl.take_reason() or reason
             tally.round(res, reason)
 
             for i, em in enumerate(res.tokens):
