@@ -173,3 +173,16 @@ def turn_finished(events: list[object]) -> TurnFinished:
 
     (last,) = [e for e in events if isinstance(e, TurnFinished)]
     return last
+
+
+class ConstantCoin:
+    """torch, except that torch.rand gives u = value: a wrong acceptance test injected."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(torch, name)
+
+    def rand(self, *size: int, device: object = None, **_: object) -> torch.Tensor:
+        return torch.full(size, self.value, device=device)  # type: ignore[arg-type]

@@ -29,7 +29,7 @@ from specchat.engine.config import DecodeConfig
 from specchat.engine.runner import ModelRunner
 from specchat.engine.sampling import logits_to_probs, sample
 from specchat.engine.speculative import ModelDrafter, accept_or_resample, speculative_round
-from tests.tinymodels import perturbed, tiny_llama, widened
+from tests.tinymodels import ConstantCoin, perturbed, tiny_llama, widened
 
 ALPHA = 1e-3  # every p-value must be above this; a wrong rule must push one below it
 MIN_EXPECTED = 5.0  # cells expected below this are pooled (the chi-square approximation)
@@ -279,19 +279,6 @@ def test_a_draft_with_more_token_ids_drafts_as_its_fit_to_the_target_vocabulary(
 # -- the statistics reject wrong rules ----------------------------------------------------
 
 
-class _ConstantCoin:
-    """torch, except that torch.rand gives u = value: a wrong acceptance test injected."""
-
-    def __init__(self, value: float) -> None:
-        self.value = value
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(torch, name)
-
-    def rand(self, *size: int, device: object = None, **_: object) -> torch.Tensor:
-        return torch.full(size, self.value, device=device)  # type: ignore[arg-type]
-
-
 def _bonus_from_the_last_draft_row(
     p_target: torch.Tensor, p_draft: torch.Tensor, d: torch.Tensor, g: torch.Generator
 ) -> tuple[int, int]:
@@ -311,9 +298,9 @@ def inject(monkeypatch: pytest.MonkeyPatch, wrong: str) -> Rule:
             speculative, "residual", lambda p_target, p_draft: real_residual(p_draft, p_target)
         )
     elif wrong == "u = 0: every draft the target allows is accepted":
-        monkeypatch.setattr(speculative, "torch", _ConstantCoin(0.0))
+        monkeypatch.setattr(speculative, "torch", ConstantCoin(0.0))
     elif wrong == "no coin: accepted when p_draft <= p_target":
-        monkeypatch.setattr(speculative, "torch", _ConstantCoin(1.0))
+        monkeypatch.setattr(speculative, "torch", ConstantCoin(1.0))
     elif wrong == "bonus from the last draft row":
         return _bonus_from_the_last_draft_row
     else:

@@ -9,6 +9,7 @@ from scipy.stats import chisquare
 
 from specchat.engine import speculative
 from specchat.engine.sampling import align_vocab, logits_to_probs, residual, sample, token_probs
+from tests.tinymodels import ConstantCoin
 
 
 def test_temperature_one_is_softmax() -> None:
@@ -108,19 +109,6 @@ def test_acceptance_rule_reproduces_target_distribution(k: int) -> None:
     assert first_token_pvalue(k) > 1e-3
 
 
-class _ConstantCoin:
-    """torch, except that torch.rand gives u = value: a wrong acceptance test injected."""
-
-    def __init__(self, value: float) -> None:
-        self.value = value
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(torch, name)
-
-    def rand(self, *size: int, device: object = None, **_: object) -> torch.Tensor:
-        return torch.full(size, self.value, device=device)  # type: ignore[arg-type]
-
-
 @pytest.mark.parametrize("wrong", ["always accept (u = 0)", "resample from p_target"])
 def test_chi_square_detects_a_wrong_rule(monkeypatch: pytest.MonkeyPatch, wrong: str) -> None:
     """The same statistic on the engine's own rule, broken on purpose, must reject.
@@ -130,7 +118,7 @@ def test_chi_square_detects_a_wrong_rule(monkeypatch: pytest.MonkeyPatch, wrong:
     seed 1234, N = 20,000, K = 3; p must fall below 1e-3.
     """
     if wrong == "always accept (u = 0)":
-        monkeypatch.setattr(speculative, "torch", _ConstantCoin(0.0))
+        monkeypatch.setattr(speculative, "torch", ConstantCoin(0.0))
     else:
         monkeypatch.setattr(speculative, "residual", lambda p_target, p_draft: p_target)
     assert first_token_pvalue(3) < 1e-3

@@ -50,7 +50,11 @@ def run(args: argparse.Namespace) -> int:
     from specchat.engine.session import ChatSession
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    cfg = common.decode_config(args)
+    try:
+        cfg = common.decode_config(args)
+    except ValueError as exc:  # a flag out of range (--k 40): one line, not a traceback
+        print(f"specchat: {exc}", file=sys.stderr)
+        return 2
     target, draft = common.model_specs(args)
     if cfg.mode.value == "spec" and draft is None and args.mode is None:
         cfg = cfg.with_(mode=common.Mode.PLAIN)

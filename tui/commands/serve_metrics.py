@@ -130,6 +130,8 @@ def run_benchmark(args: argparse.Namespace, telemetry: Any, console: Any) -> int
         cfg = common.decode_config(args)
     except EngineError as exc:
         return bench_cmd.error(exc.message, exc.hint)
+    except ValueError as exc:
+        return bench_cmd.error(str(exc))
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bench_cmd.quiet_transformers()
     try:
