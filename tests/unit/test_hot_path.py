@@ -79,6 +79,27 @@ def test_a_round_reads_the_device_once(target: torch.nn.Module, kind: str, cfg: 
         assert sum(counts.values()) == 1, dict(counts)
 
 
+def test_a_sampled_top_p_round_on_a_wide_vocabulary_reads_an_accelerator_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past TOP_P_CANDIDATES ids the CPU asks whether the candidates cover top_p (a read
+    of host memory); an accelerator sorts instead, so its round still reads once."""
+    wide = tiny_llama(seed=0, layers=2, vocab=4 * sampling.TOP_P_CANDIDATES)
+    cfg = DecodeConfig(temperature=0.8, top_k=0, top_p=0.9)
+    for on_host, most in ((True, None), (False, 1)):
+        monkeypatch.setattr(sampling, "branches_on_host", lambda x, on_host=on_host: on_host)
+        runner = ModelRunner(wide, torch.device("cpu"))
+        drafter = drafters(wide)["model"]
+        runner.prefill(SEQ)
+        drafter.catch_up(SEQ)
+        with counting_host_reads() as counts:
+            speculative_round(runner, drafter, list(SEQ), 4, cfg, torch.Generator().manual_seed(1))
+        if most is None:
+            assert sum(counts.values()) > 1  # the CPU's covering checks are reads
+        else:
+            assert sum(counts.values()) == most, dict(counts)
+
+
 def test_a_sampled_round_processes_each_draft_row_once(
     target: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -110,7 +131,11 @@ def reference_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 @pytest.mark.parametrize("scale", [8.0, 0.01])  # peaked rows: the candidates decide; flat: full sort
 @pytest.mark.parametrize("top_p", [0.5, 0.9, 0.999])
-def test_top_p_on_candidates_keeps_what_sorting_the_row_keeps(scale: float, top_p: float) -> None:
+@pytest.mark.parametrize("on_host", [True, False], ids=["cpu-candidates", "accelerator-sort"])
+def test_top_p_on_candidates_keeps_what_sorting_the_row_keeps(
+    scale: float, top_p: float, on_host: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sampling, "branches_on_host", lambda x: on_host)
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 20_000, generator=gen) * scale
     got = sampling.logits_to_probs(logits, 1.0, 0, top_p)
