@@ -13,6 +13,7 @@ from specchat.engine.loading import LoadedModel, describe
 
 if TYPE_CHECKING:
     from specchat.engine.events import TurnFinished
+    from specchat.engine.runner import ModelRunner
     from specchat.engine.session import ChatSession
 
 CORPUS = [
@@ -186,3 +187,15 @@ class ConstantCoin:
 
     def rand(self, *size: int, device: object = None, **_: object) -> torch.Tensor:
         return torch.full(size, self.value, device=device)  # type: ignore[arg-type]
+
+
+def native_or_skip(runner: ModelRunner) -> None:
+    """Fail if the runner lacks a native decoder this machine can build; skip, with the
+    reason, where the decoder kernel cannot be built (no compiler, an ARM CPU)."""
+    import pytest
+
+    from specchat.engine import native
+
+    if runner.native is None and (why := native.unavailable("decoder")):
+        pytest.skip(f"the native decoder cannot run here: {why}")
+    assert runner.native is not None, runner.native_off

@@ -24,7 +24,7 @@ from specchat.engine.config import DecodeConfig, Mode, QuantMode
 from specchat.engine.events import TokenEvent
 from specchat.engine.runner import ModelRunner
 from specchat.engine.session import ChatSession
-from tests.tinymodels import loaded, perturbed, tiny_llama
+from tests.tinymodels import loaded, native_or_skip, perturbed, tiny_llama
 
 ROWS = 5  # a verify block of K=4 drafts
 
@@ -136,7 +136,7 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
 def runner_for(model: torch.nn.Module, native: bool) -> ModelRunner:
     runner = ModelRunner(model, torch.device("cpu"))  # type: ignore[arg-type]
     if native:
-        assert runner.native is not None, runner.native_off
+        native_or_skip(runner)
     else:
         runner.native = None  # transformers' modules
     return runner
