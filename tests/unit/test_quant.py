@@ -308,19 +308,35 @@ def test_bnb_nf4_packs_what_it_can_and_runs_any_shape(tmp_path: Path) -> None:
     not cpu.features().avx512_bf16,
     reason=f"bitsandbytes repacks 4-bit weights only on AVX512-BF16 ({cpu.features().summary()})",
 )
-def test_bnb_nf4_packed_layers_stay_close_to_float(float_dir: Path) -> None:
-    """On an AVX512-BF16 CPU every layer of the tiny model fits the packed layout, and the
-    packed kernel (bf16 activations) keeps the tolerance the dequantizing path keeps."""
-    reference = LlamaForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
-    model = load(float_dir, QuantMode.BNB_NF4)
-    _, ref_logits = greedy(reference)
-    _, logits = greedy(model)
-    assert all(
-        getattr(m.weight.quant_state, "packing_format_for_cpu", False)
-        for m in linear4bits(model).values()
-    )
-    rel = float((logits - ref_logits).norm() / ref_logits.norm())
-    assert rel <= TOLERANCE[QuantMode.BNB_NF4] + 1e-4, f"relative logit error {rel:.4f}"
+def test_bnb_nf4_packed_layers_match_the_dequantizing_path(float_dir: Path) -> None:
+    """On an AVX512-BF16 CPU every layer of the tiny model fits the packed layout, and each
+    packed layer (bitsandbytes' bf16 kernel) gives what the same 4-bit weights give on the
+    dequantizing path, within bf16 activation rounding.
+
+    Compared layer by layer: through the whole random tiny model a 0.3% difference per
+    layer grows to ~60% of the logits (measured on an AMD EPYC with AVX512-BF16), as any
+    perturbation does there, so the model's logits cannot tell a right kernel from a wrong
+    one; a layout or scale error gives a relative difference near 1 at its own layer.
+    """
+    packed = load(float_dir, QuantMode.BNB_NF4)
+    unpacked = load(float_dir, QuantMode.BNB_NF4)
+    for module in linear4bits(unpacked).values():
+        setattr(module, quant.BNB_PACK_SWITCH, False)
+    gen = torch.Generator().manual_seed(0)
+    worst = 0.0
+    pairs = zip(linear4bits(packed).items(), linear4bits(unpacked).values(), strict=True)
+    for (name, mine), theirs in pairs:
+        x = torch.randn(1, 3, mine.in_features, generator=gen)
+        with torch.inference_mode():
+            got, want = mine(x), theirs(x)
+        assert getattr(mine.weight.quant_state, "packing_format_for_cpu", False), name
+        assert not getattr(theirs.weight.quant_state, "packing_format_for_cpu", False), name
+        rel = float((got - want).norm() / want.norm())
+        assert rel <= 1e-2, f"{name}: packed kernel {rel:.4f} off the dequantizing path"
+        worst = max(worst, rel)
+    tokens, logits = greedy(packed, n=2)
+    assert len(tokens) == 2 and torch.isfinite(logits).all()
+    print(f"packed bnb-nf4 layers, worst relative difference: {worst:.4f}")
 
 
 def test_bnb_nf4_refuses_odd_shapes_where_packing_cannot_be_turned_off(
