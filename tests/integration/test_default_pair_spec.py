@@ -72,4 +72,5 @@ def test_every_lossless_mode_equals_plain_in_float32_by_design(
     assert session.target_runner.exactness.identical, session.target_runner.exactness.reason
     got, fin = reply(session, DecodeConfig(mode=mode, k=4, max_new_tokens=32))
     assert got == plain_reply
-    assert fin.stats.rounds < 32 or mode is Mode.LOOKUP  # self-spec drafts every round
+    if mode is Mode.SELF_SPEC:  # self-spec drafts every round; lookup only where it matches
+        assert fin.stats.rounds < 32
