@@ -5,8 +5,10 @@ Every colour of the app lives here. Widgets and TCSS name theme variables
 `PROVENANCE_DEFAULTS` fills them in for Textual's built-in themes through
 `App.get_theme_variable_defaults()`.
 
-Colour is never the only carrier of provenance: the TCSS pairs each
-variable with a text style, so the transcript stays readable with NO_COLOR.
+Colour is never the only carrier of provenance: each is paired with a text
+style (`TEXT_STYLES`), so the transcript stays readable with NO_COLOR. The app's
+TCSS and the headless `specchat generate` (`terminal_styles`) both take their
+provenance looks from here.
 """
 
 from __future__ import annotations
@@ -20,6 +22,16 @@ TOKEN_VARIABLES: dict[str, str] = {
     "bonus": "token-bonus",
     "early-exit": "token-early-exit",
     "target": "token-target",
+}
+
+# The text style paired with each provenance's colour (Textual text-style names,
+# which rich reads too): readable without colour.
+TEXT_STYLES: dict[str, str] = {
+    "accepted": "underline",
+    "corrected": "bold underline",
+    "bonus": "bold",
+    "early-exit": "italic",
+    "target": "none",
 }
 
 # Okabe & Ito (2008) colour-universal-design palette.
@@ -118,6 +130,17 @@ SPECCHAT_OKABE_ITO = Theme(
 THEMES: tuple[Theme, ...] = (SPECCHAT_DARK, SPECCHAT_LIGHT, SPECCHAT_OKABE_ITO)
 DEFAULT_THEME = SPECCHAT_DARK.name
 
+
+def terminal_styles(theme: Theme = SPECCHAT_DARK, colour: bool = True) -> dict[str, str]:
+    """Rich style strings by provenance value: the theme's colour plus the text style,
+    or the text style alone (no colour) for a monochrome terminal."""
+    out = {}
+    for provenance, variable in TOKEN_VARIABLES.items():
+        style = TEXT_STYLES[provenance].replace("none", "")
+        hue = (theme.variables or {}).get(variable) or PROVENANCE_DEFAULTS[variable]
+        out[provenance] = f"{hue} {style}".strip() if colour else style
+    return out
+
 __all__ = [
     "DEFAULT_THEME",
     "OKABE_ITO",
@@ -125,6 +148,8 @@ __all__ = [
     "SPECCHAT_DARK",
     "SPECCHAT_LIGHT",
     "SPECCHAT_OKABE_ITO",
+    "TEXT_STYLES",
     "THEMES",
     "TOKEN_VARIABLES",
+    "terminal_styles",
 ]

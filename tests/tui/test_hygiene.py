@@ -73,6 +73,28 @@ def test_themes_define_every_token_colour() -> None:
             assert okabe[f"token-{p.value}"].upper() in palette
 
 
+def test_headless_and_app_provenance_looks_come_from_the_themes() -> None:
+    """generate prints each provenance in the theme's colour with the app's text style;
+    no command keeps a palette of its own."""
+    from specchat.tui.widgets import tokens
+
+    styles = themes.terminal_styles(themes.SPECCHAT_LIGHT)
+    for p in Provenance:
+        colour = themes.SPECCHAT_LIGHT.variables[f"token-{p.value}"]
+        text = themes.TEXT_STYLES[p.value]
+        assert styles[p.value].split()[0] == colour
+        assert tokens.TEXT_STYLES[p] == text
+        assert styles[p.value].endswith(text) or text == "none"
+    plain = themes.terminal_styles(colour=False)
+    assert plain["corrected"] == "bold underline" and plain["target"] == ""
+    palettes = [
+        path.relative_to(TUI)
+        for path in TUI.rglob("*.py")
+        if re.search(r"\"(accepted|corrected|bonus)\":\s*\"", path.read_text(encoding="utf-8"))
+    ]
+    assert palettes == []
+
+
 async def test_themes_register_and_builtin_themes_get_defaults() -> None:
     app = make_app()
     async with app.run_test(size=SIZE) as pilot:

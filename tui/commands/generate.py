@@ -10,16 +10,6 @@ from typing import Any
 
 from . import common
 
-# Terminal styles per provenance: each pairs a colour with a text attribute so
-# the reply stays readable without colour (NO_COLOR).
-STYLES = {
-    "accepted": "green",
-    "corrected": "bold red underline",
-    "bonus": "bold cyan",
-    "early-exit": "italic yellow",
-    "target": "",
-}
-
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
@@ -81,10 +71,14 @@ def run(args: argparse.Namespace) -> int:
         return common.fail(exc.message, exc.hint)
 
     console = None
+    styles: dict[str, str] = {}
     if not emit_json:
         from rich.console import Console
 
-        console = Console(highlight=False, soft_wrap=True)
+        from specchat.themes import terminal_styles
+
+        console = Console(highlight=False, soft_wrap=True)  # honours NO_COLOR: text styles stay
+        styles = terminal_styles()
     else:
         write(session.ready)
 
@@ -95,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         assert console is not None
         if isinstance(event, TokenEvent):
-            console.print(event.text, style=STYLES[event.provenance.value] or None, end="")
+            console.print(event.text, style=styles[event.provenance.value] or None, end="")
         elif isinstance(event, Notice):
             console.print(f"[{event.level}] {event.message}", style="dim", markup=False)
         elif isinstance(event, TurnFinished):

@@ -16,15 +16,10 @@ from __future__ import annotations
 from rich.style import Style
 from textual.widget import Widget
 
+from specchat import themes
 from specchat.engine.events import Provenance
 
-TEXT_STYLES: dict[Provenance, str] = {
-    Provenance.ACCEPTED: "underline",
-    Provenance.CORRECTED: "bold underline",
-    Provenance.BONUS: "bold",
-    Provenance.EARLY_EXIT: "italic",
-    Provenance.TARGET: "none",
-}
+TEXT_STYLES: dict[Provenance, str] = {p: themes.TEXT_STYLES[p.value] for p in Provenance}
 
 LABELS: dict[Provenance, str] = {
     Provenance.ACCEPTED: "accepted",
