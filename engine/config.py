@@ -28,7 +28,7 @@ SPEC_ALONE = "spec-alone"
 
 # The most draft tokens a round verifies. A verify block is the last token plus K
 # drafts, and a token scores exactly as it would alone only while the block takes
-# the row-wise attention path (engine/attention.py, MAX_ROWWISE = 32 rows).
+# the row-wise attention path (engine/model/attention.py, MAX_ROWWISE = 32 rows).
 MAX_K = 31
 
 
@@ -76,7 +76,7 @@ class DecodeConfig:
     k_max: int = 8
     max_new_tokens: int = 256
     # spec: prompt lookup drafts first, the draft model where it finds nothing
-    # (engine/compose.py); False: the draft model alone, for its own acceptance.
+    # (engine/decode/compose.py); False: the draft model alone, for its own acceptance.
     compose: bool = True
     stop: tuple[str, ...] = field(default_factory=tuple)
     seed: int | None = None

@@ -1,7 +1,8 @@
 """The small interface the UI and the headless commands drive.
 
 `ChatSession` implements it on real models; a replay of a recorded trace
-implements it too, which is how the UI is tested without torch.
+implements it too, which is how the UI is tested without torch. The UI holds a
+backend by this type and reads nothing else of it.
 """
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from .config import DecodeConfig
-from .events import Event
+from .events import Event, Ready
 
 
 class ChatBackend(Protocol):
+    ready: Ready
+    """What was loaded and how it will decode (models, devices, notes), for the panels."""
+
     def stream(
         self, prompt: str, config: DecodeConfig, cancel: threading.Event | None = None
     ) -> Iterator[Event]:

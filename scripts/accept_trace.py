@@ -6,7 +6,7 @@ whatever the drafting. So one plain reply per prompt and one draft pass over it
 give, for every position, whether a draft proposed there would be accepted: a
 trace. Any drafting policy can then be priced offline, in target steps, from
 measured costs: c per draft step, v(K) per verify pass, a catch-up pass over a
-plain stretch. The controller is the engine's own (`engine/controller.py`).
+plain stretch. The controller is the engine's own (`engine/decode/controller.py`).
 
     python scripts/accept_trace.py record --prompts ../shared/prompts/dev_prompts.jsonl \\
         --out trace.json --max-new-tokens 128
@@ -22,13 +22,13 @@ import time
 from pathlib import Path
 
 from specchat.engine.config import DecodeConfig, Mode, ModelSpec, QuantMode
-from specchat.engine.controller import Controller, Costs
+from specchat.engine.decode.controller import Controller, Costs
 
 
 def record(args: argparse.Namespace) -> None:
+    from specchat.engine.decode.session import ChatSession
     from specchat.engine.events import TurnStarted
-    from specchat.engine.runner import ModelRunner
-    from specchat.engine.session import ChatSession
+    from specchat.engine.model.runner import ModelRunner
 
     q = QuantMode(args.quant)
     draft_spec = ModelSpec(args.draft, quant=q, head_shortlist=args.draft_vocab)

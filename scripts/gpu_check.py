@@ -41,15 +41,15 @@ import torch
 from torch import nn
 
 try:
-    from specchat.engine import quant
     from specchat.engine.config import QuantMode
+    from specchat.engine.model import quant
 except ImportError:  # a checkout that was not pip-installed: map specchat.engine to engine/
     _root = Path(__file__).resolve().parents[1]
     _pkg = types.ModuleType("specchat")
     _pkg.__path__ = [str(_root)]
     sys.modules["specchat"] = _pkg
-    from specchat.engine import quant
     from specchat.engine.config import QuantMode
+    from specchat.engine.model import quant
 
 PROMPT = [1, 17, 42, 99, 7, 123, 5, 64]
 

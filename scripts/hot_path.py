@@ -21,9 +21,9 @@ import torch
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from specchat.engine.config import DecodeConfig, Mode, QuantMode
+from specchat.engine.decode.session import ChatSession
 from specchat.engine.events import TokenEvent, TurnStarted
-from specchat.engine.loading import LoadedModel, describe, layer_truncated
-from specchat.engine.session import ChatSession
+from specchat.engine.weights.loading import LoadedModel, describe, layer_truncated
 
 LOGIT_SCALE = 40.0
 CODE = "def area(w, h):\n    return w * h\n\n" * 6

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from specchat.engine.config import ModelSpec, QuantMode
-from specchat.engine.loading import load_model
+from specchat.engine.weights.loading import load_model
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "prompts" / "dev_prompts.jsonl"
 

@@ -23,8 +23,8 @@ from collections import defaultdict
 import torch
 
 from specchat.engine.config import ModelSpec, QuantMode
-from specchat.engine.loading import load_model
-from specchat.engine.runner import ModelRunner
+from specchat.engine.model.runner import ModelRunner
+from specchat.engine.weights.loading import load_model
 
 PROMPT = 64
 
@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument(
         "--native",
         default="on",
-        help="on, off or on,off: decode through the native decoder (engine/decoder.py) "
+        help="on, off or on,off: decode through the native decoder (engine/model/decoder.py) "
         "or transformers' modules; 'off' rows are labelled '<mode>/py'",
     )
     args = ap.parse_args()

@@ -25,7 +25,7 @@ def tmp_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture(scope="session")
 def stories260k_dir() -> Path:
     """The real tiny test model (../shared/models/stories260k); skips when it is absent."""
-    from specchat.engine import registry
+    from specchat.engine.weights import registry
 
     folder = registry.get("stories260k").local_folder()
     if folder is None or not (folder / "config.json").is_file():

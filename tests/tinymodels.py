@@ -9,12 +9,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from specchat.engine.config import QuantMode
-from specchat.engine.loading import LoadedModel, describe
+from specchat.engine.weights.loading import LoadedModel, describe
 
 if TYPE_CHECKING:
+    from specchat.engine.decode.session import ChatSession
     from specchat.engine.events import TurnFinished
-    from specchat.engine.runner import ModelRunner
-    from specchat.engine.session import ChatSession
+    from specchat.engine.model.runner import ModelRunner
 
 CORPUS = [
     "Once upon a time there was a little robot who loved to read.",
@@ -162,8 +162,8 @@ def loaded(model: torch.nn.Module, role: str = "target", tokenizer: object = Non
 
 def pair_session(target: torch.nn.Module, **kw: object) -> ChatSession:
     """A chat session on `target`, drafted by its own first two layers."""
-    from specchat.engine.loading import layer_truncated
-    from specchat.engine.session import ChatSession
+    from specchat.engine.decode.session import ChatSession
+    from specchat.engine.weights.loading import layer_truncated
 
     return ChatSession(loaded(target), loaded(layer_truncated(target, 2), "draft"), **kw)  # type: ignore[arg-type]
 
@@ -194,7 +194,7 @@ def native_or_skip(runner: ModelRunner) -> None:
     reason, where the decoder kernel cannot be built (no compiler, an ARM CPU)."""
     import pytest
 
-    from specchat.engine import native
+    from specchat.engine.model import native
 
     if runner.native is None and (why := native.unavailable("decoder")):
         pytest.skip(f"the native decoder cannot run here: {why}")

@@ -56,6 +56,7 @@ from specchat.engine.events import (
     TurnFinished,
     TurnStarted,
 )
+from specchat.engine.protocol import ChatBackend
 from specchat.themes import DEFAULT_THEME, PROVENANCE_DEFAULTS, THEMES
 
 from . import actions
@@ -83,7 +84,7 @@ from .widgets.tokens import visible
 from .widgets.transcript import Note, Transcript, UserMessage
 
 # Runs in the load worker thread: build the session, reporting progress.
-Loader = Callable[[Callable[[LoadProgress], None]], Any]
+Loader = Callable[[Callable[[LoadProgress], None]], ChatBackend]
 
 LONGEST_WAIT = 0.5  # seconds: a streaming reply is redrawn at least this often
 
@@ -128,7 +129,7 @@ class SpecChatApp(App[None]):
         self.redraw_interval = redraw_interval
         self.panel_interval = panel_interval
         self.ui_budget = ui_budget
-        self.backend: Any = None
+        self.backend: ChatBackend | None = None
         self.load_error: BackendFailed | None = None
         self._theme_request = theme or self.settings.theme
         self._engine_lock = threading.Lock()
@@ -320,6 +321,7 @@ class SpecChatApp(App[None]):
         """Stream one reply, handing rounds to the UI in batches (see RoundsCompleted)."""
         cancel = get_current_worker().cancelled_event
         backend = self.backend
+        assert backend is not None, "a reply is only started once the backend is ready"
         outcome: TurnFinished | Cancelled | Failed | None = None
         pending: list[TokenEvent] = []
         emitted = 0
@@ -342,6 +344,7 @@ class SpecChatApp(App[None]):
                 elif kind == "continue":
                     events = backend.continue_reply(config, cancel)
                 else:
+                    assert prompt is not None, "a new turn has a prompt"
                     events = backend.stream(prompt, config, cancel)
                 for ev in events:  # run the stream to its end: the engine may tidy up after the last event
                     if outcome is not None:
@@ -493,7 +496,7 @@ class SpecChatApp(App[None]):
         if self.backend is None or self._busy is not None:
             return None
         reply = self._last_reply()
-        if reply is None or not reply.cut or not getattr(self.backend, "can_continue", False):
+        if reply is None or not reply.cut or not self.backend.can_continue:
             return None
         return reply
 
@@ -731,7 +734,7 @@ class SpecChatApp(App[None]):
     def _update_sampler(self) -> None:
         want = self.sample_system and "devices" in self.panels_on
         if want and self._sampler is None:
-            from specchat.engine.probes import Sampler, SystemProbe
+            from specchat.engine.tools.probes import Sampler, SystemProbe
 
             ready = self.state.ready
             probe = SystemProbe(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
 
 from textual.message import Message
 
@@ -27,6 +26,7 @@ from specchat.engine.events import (
     TurnFinished,
     TurnStarted,
 )
+from specchat.engine.protocol import ChatBackend
 
 
 @dataclass
@@ -43,7 +43,7 @@ class LoadUpdated(Message):
 class BackendReady(Message):
     """The session is loaded and can take prompts."""
 
-    backend: Any  # a ChatBackend
+    backend: ChatBackend
     ready: Ready
 
 

@@ -38,9 +38,9 @@ from typing import Any
 import tomli_w
 
 from specchat.engine.config import DecodeConfig, Mode
+from specchat.engine.paths import config_path
 from specchat.themes import DEFAULT_THEME
 
-CONFIG_ENV = "SPECCHAT_CONFIG"
 PANELS = ("acceptance", "latency", "devices", "early-exit")
 VIEWS = ("markdown", "tokens")
 
@@ -62,14 +62,6 @@ _DECODE_KEYS = (
     "exit_layer",
     "seed",
 )
-
-
-def config_path() -> Path:
-    env = os.environ.get(CONFIG_ENV)
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base).expanduser() / "specchat" / "config.toml"
 
 
 @dataclass

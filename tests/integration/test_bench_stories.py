@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from specchat.engine.ab import distribution_check, run_ab
-from specchat.engine.bench import BenchPrompt, load_prompts, run_bench
-from specchat.engine.bench_plots import write_plots
 from specchat.engine.config import QuantMode
-from specchat.engine.loading import LoadedModel, describe, layer_truncated
-from specchat.engine.session import ChatSession
+from specchat.engine.decode.session import ChatSession
+from specchat.engine.tools.ab import distribution_check, run_ab
+from specchat.engine.tools.bench import BenchPrompt, load_prompts, run_bench
+from specchat.engine.tools.bench_plots import write_plots
+from specchat.engine.weights.loading import LoadedModel, describe, layer_truncated
 from tests.stories import STORIES, load_stories, needs_stories
 
 pytestmark = needs_stories

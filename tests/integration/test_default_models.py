@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from specchat.engine import fetch, registry
 from specchat.engine.errors import FetchError
+from specchat.engine.weights import fetch, registry
 
 pytestmark = pytest.mark.slow
 

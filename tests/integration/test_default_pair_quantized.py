@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specchat.engine import loading
 from specchat.engine.config import DecodeConfig, Mode
+from specchat.engine.weights import loading
 from tests.integration.test_default_pair_spec import load_pair, reply
 
 pytestmark = pytest.mark.slow

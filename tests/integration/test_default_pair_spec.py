@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from specchat.engine import registry
 from specchat.engine.config import DecodeConfig, Mode, ModelSpec, QuantMode
+from specchat.engine.decode.session import ChatSession
 from specchat.engine.errors import FetchError
 from specchat.engine.events import TokenEvent, TurnFinished
-from specchat.engine.session import ChatSession
+from specchat.engine.weights import fetch, registry
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,7 @@ def load_pair(quant: QuantMode | None) -> ChatSession:
     target, draft = registry.DEFAULT_PAIR
     try:
         for name in (target, draft):
-            registry.resolve(name, fetch=False)
+            fetch.resolve(name, fetch=False)
     except FetchError as exc:
         pytest.skip(f"default pair not cached: {exc.message}")
     return ChatSession.load(

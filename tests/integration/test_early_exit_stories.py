@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from specchat.engine.calibration import collect, load_calibration
 from specchat.engine.config import DecodeConfig, Mode, QuantMode
-from specchat.engine.early_exit import EarlyExitStepper
+from specchat.engine.decode.exit_policy import load_calibration, policy_for
+from specchat.engine.decode.session import ChatSession
 from specchat.engine.events import Provenance, TokenEvent, TurnFinished
-from specchat.engine.loading import LoadedModel, describe
-from specchat.engine.session import ChatSession
+from specchat.engine.tools.calibration import collect
+from specchat.engine.weights.loading import LoadedModel, describe
 from tests.stories import STORIES, load_stories, needs_stories
 
 pytestmark = [needs_stories, pytest.mark.slow]
@@ -62,7 +62,7 @@ def test_calibrate_then_exit(stories: LoadedModel, tmp_cache: Path) -> None:
 
     session = ChatSession(stories)
     cfg = DecodeConfig(mode=Mode.EARLY_EXIT, max_new_tokens=24, exit_budget=0.5)
-    assert EarlyExitStepper.for_session(session, cfg).policy.source == "calibrated"
+    assert policy_for(session.target, cfg).source == "calibrated"
     tokens, done = reply(session, "Once upon a time", cfg)
     assert done.stats.early_exits == sum(t.provenance is Provenance.EARLY_EXIT for t in tokens)
     assert done.stats.mean_layers is not None and done.stats.mean_layers <= 5.0

@@ -15,12 +15,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specchat.engine import decoder, invariance
 from specchat.engine.config import DecodeConfig, Mode
+from specchat.engine.decode.session import ChatSession
 from specchat.engine.events import TokenEvent
-from specchat.engine.loading import layer_truncated
-from specchat.engine.runner import ModelRunner
-from specchat.engine.session import ChatSession
+from specchat.engine.model import decoder, invariance
+from specchat.engine.model.runner import ModelRunner
+from specchat.engine.weights.loading import layer_truncated
 from tests.stories import load_stories, needs_stories
 from tests.tinymodels import loaded, native_or_skip
 
@@ -111,8 +111,8 @@ def test_ab_says_identity_is_guaranteed_and_holds_it(stories: tuple) -> None:
     """`specchat ab` on float32: identity by design, and a near-tie would not be excused."""
     from rich.console import Console
 
-    from specchat.engine.ab import run_ab
-    from specchat.engine.bench_runs import BenchPrompt
+    from specchat.engine.tools.ab import run_ab
+    from specchat.engine.tools.bench_runs import BenchPrompt
     from specchat.tui.commands.ab import print_ab
 
     model, tok = stories

@@ -9,6 +9,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from specchat.engine.config import DecodeConfig, Mode, QuantMode
+from specchat.engine.decode.session import ChatSession
 from specchat.engine.events import (
     Provenance,
     RoundEvent,
@@ -17,9 +18,8 @@ from specchat.engine.events import (
     TurnStarted,
     TurnStats,
 )
-from specchat.engine.loading import LoadedModel, describe, layer_truncated
-from specchat.engine.session import ChatSession
-from specchat.engine.telemetry import Telemetry
+from specchat.engine.tools.telemetry import Telemetry
+from specchat.engine.weights.loading import LoadedModel, describe, layer_truncated
 from tests.stories import STORIES, load_stories, needs_stories
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from specchat.engine.config import DecodeConfig, Mode, ModelSpec
+from specchat.engine.decode.session import ChatSession
 from specchat.engine.errors import ModelLoadError, TokenizerMismatchError
 from specchat.engine.events import TokenEvent, TurnFinished
-from specchat.engine.loading import check_tokenizers_match, layer_truncated, load_model
-from specchat.engine.session import ChatSession
+from specchat.engine.weights.loading import check_tokenizers_match, layer_truncated, load_model
 from tests.stories import STORIES, load_stories, needs_stories
 from tests.tinymodels import loaded, tiny_tokenizer
 

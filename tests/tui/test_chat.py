@@ -26,7 +26,7 @@ from tui_helpers import (
 from specchat.engine.config import Mode
 from specchat.engine.errors import EngineError
 from specchat.engine.events import LoadProgress, Provenance, RoundEvent, TokenEvent, TurnFinished
-from specchat.engine.replay import ReplaySession
+from specchat.engine.tools.replay import ReplaySession
 from specchat.tui.messages import RoundsCompleted, SystemSampled
 from specchat.tui.panels import AcceptancePanel, DevicesPanel, EarlyExitPanel, LatencyPanel
 from specchat.tui.widgets.inspector import Inspector
@@ -521,7 +521,7 @@ def test_missing_engine_session_is_a_message(monkeypatch: Any) -> None:
     from specchat.tui.cli import build_parser
     from specchat.tui.commands import chat
 
-    monkeypatch.setitem(sys.modules, "specchat.engine.session", None)
+    monkeypatch.setitem(sys.modules, "specchat.engine.decode.session", None)
     args = build_parser().parse_args(["chat", "--target", "x", "--draft", "none"])
     with pytest.raises(EngineError, match="not available") as info:
         chat._engine_loader(args)(lambda p: None)

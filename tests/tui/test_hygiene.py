@@ -35,7 +35,7 @@ def test_ui_import_stays_light() -> None:
     code = (
         "import sys\n"
         "import specchat.tui.app\n"
-        "print(sorted(m for m in ('torch', 'transformers', 'specchat.engine.session') if m in sys.modules))\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'specchat.engine.decode.session') if m in sys.modules))\n"
     )
     assert _run(code) == "[]"
 
@@ -54,7 +54,7 @@ def test_chat_parser_does_not_import_textual() -> None:
 def test_headless_engine_modules_stay_headless() -> None:
     code = (
         "import sys\n"
-        "import specchat.engine.metrics, specchat.engine.replay, specchat.engine.probes\n"
+        "import specchat.engine.metrics, specchat.engine.tools.replay, specchat.engine.tools.probes\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('textual', 'rich', 'torch')))\n"
     )
     assert _run(code) == "[]"

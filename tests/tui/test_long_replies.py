@@ -9,7 +9,7 @@ from tui_helpers import SIZE, TRACE, GatedSession, make_app, ready, send, wait_u
 
 from specchat.engine.config import DecodeConfig, Mode
 from specchat.engine.events import Cancelled, Provenance, TokenEvent, TurnFinished
-from specchat.engine.replay import ReplaySession
+from specchat.engine.tools.replay import ReplaySession
 from specchat.tui.settings import CHAT_MAX_NEW_TOKENS
 from specchat.tui.widgets.reply import ReplyView
 from specchat.tui.widgets.status import StatusLine

@@ -9,9 +9,10 @@ import pytest
 from tui_helpers import SIZE, make_app, ready
 
 from specchat.engine.config import DecodeConfig, Mode
+from specchat.engine.paths import config_path
 from specchat.tui.cli import build_parser
 from specchat.tui.commands import chat
-from specchat.tui.settings import CHAT_MAX_NEW_TOKENS, Settings, SettingsStore, config_path
+from specchat.tui.settings import CHAT_MAX_NEW_TOKENS, Settings, SettingsStore
 from specchat.tui.widgets.transcript import Note
 
 

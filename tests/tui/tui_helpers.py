@@ -11,7 +11,7 @@ from textual.pilot import Pilot
 
 from specchat.engine.config import DecodeConfig, Mode
 from specchat.engine.events import Provenance, RoundEvent, SystemSample, TokenEvent, TurnStarted
-from specchat.engine.replay import ReplaySession, synthesize_trace
+from specchat.engine.tools.replay import ReplaySession, synthesize_trace
 from specchat.tui.app import SpecChatApp
 
 SIZE = (160, 48)

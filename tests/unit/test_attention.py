@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specchat.engine import attention, quant
 from specchat.engine.config import QuantMode
-from specchat.engine.runner import ModelRunner
+from specchat.engine.model import attention, quant
+from specchat.engine.model.runner import ModelRunner
 from tests.tinymodels import tiny_llama
 
 
@@ -27,7 +27,7 @@ def sequential_and_block(
 @pytest.mark.parametrize("mode", [QuantMode.NONE, QuantMode.INT8, QuantMode.INT4, QuantMode.W8A8])
 def test_block_rows_equal_single_steps(mode: QuantMode) -> None:
     """Bit for bit: quantized kernels compute each row alone; float32 projections (MKL's
-    GEMM, ~1e-6 apart in a block) run a block one row at a time (engine/invariance.py)."""
+    GEMM, ~1e-6 apart in a block) run a block one row at a time (engine/model/invariance.py)."""
     model = quant.apply(tiny_llama(seed=3, layers=3), mode)
     runner = ModelRunner(model, torch.device("cpu"))
     assert model.config._attn_implementation == attention.NAME

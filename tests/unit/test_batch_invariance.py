@@ -1,4 +1,4 @@
-"""Batch invariance (engine/invariance.py): a row fed in a block scores as it does alone.
+"""Batch invariance (engine/model/invariance.py): a row fed in a block scores as it does alone.
 
 The first tests measure what breaks it on this CPU: a float GEMM and silu give
 a row other bits in a block than alone; the fixed-order kernel does not. The
@@ -18,12 +18,12 @@ import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.pytorch_utils import Conv1D
 
-from specchat.engine import decoder, invariance, quant
-from specchat.engine.attention import MAX_ROWWISE
 from specchat.engine.config import DecodeConfig, Mode, QuantMode
+from specchat.engine.decode.session import ChatSession
 from specchat.engine.events import TokenEvent
-from specchat.engine.runner import ModelRunner
-from specchat.engine.session import ChatSession
+from specchat.engine.model import decoder, invariance, quant
+from specchat.engine.model.attention import MAX_ROWWISE
+from specchat.engine.model.runner import ModelRunner
 from tests.tinymodels import loaded, native_or_skip, perturbed, tiny_llama
 
 ROWS = 5  # a verify block of K=4 drafts
@@ -279,7 +279,7 @@ def test_greedy_speculation_equals_plain_on_near_ties(
 
 CHECK_IN_A_CHILD = """
 import torch, torch.nn.functional as F
-from specchat.engine import invariance
+from specchat.engine.model import invariance
 from tests.tinymodels import tiny_llama
 from tests.unit.test_batch_invariance import runner_for, steps_and_block
 print(invariance.fixed_kernel())

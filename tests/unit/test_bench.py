@@ -12,8 +12,13 @@ from typing import Any
 
 import pytest
 
-from specchat.engine.ab import first_divergence
-from specchat.engine.bench import (
+from specchat.engine.config import Mode
+from specchat.engine.decode.session import ChatSession
+from specchat.engine.errors import OutOfMemoryError, QuantizationError
+from specchat.engine.events import Provenance, RoundEvent, TokenEvent
+from specchat.engine.metrics import DecodeMetrics
+from specchat.engine.tools.ab import first_divergence
+from specchat.engine.tools.bench import (
     BenchConfig,
     BenchPrompt,
     BenchResult,
@@ -23,7 +28,7 @@ from specchat.engine.bench import (
     run_bench,
     summarize,
 )
-from specchat.engine.bench_runs import (
+from specchat.engine.tools.bench_runs import (
     ConfigSpecError,
     PromptFileError,
     find_arm,
@@ -33,7 +38,7 @@ from specchat.engine.bench_runs import (
     parse_config_spec,
     parse_config_specs,
 )
-from specchat.engine.bench_stats import (
+from specchat.engine.tools.bench_stats import (
     acceptance_by_position,
     chi2_sf,
     chi_square_homogeneity,
@@ -44,12 +49,7 @@ from specchat.engine.bench_stats import (
     spread,
     total_variation,
 )
-from specchat.engine.config import Mode
-from specchat.engine.errors import OutOfMemoryError, QuantizationError
-from specchat.engine.events import Provenance, RoundEvent, TokenEvent
-from specchat.engine.loading import layer_truncated
-from specchat.engine.metrics import DecodeMetrics
-from specchat.engine.session import ChatSession
+from specchat.engine.weights.loading import layer_truncated
 from tests.tinymodels import loaded, tiny_llama
 
 # -- medians, ratios, spreads ----------------------------------------------------
@@ -681,7 +681,7 @@ def test_show_prints_a_result_from_before_configs(
 
 
 def test_plots_of_several_configs_and_of_an_earlier_result(tmp_path: Path) -> None:
-    from specchat.engine.bench_plots import write_plots
+    from specchat.engine.tools.bench_plots import write_plots
 
     configs = [BenchConfig("a", tiny_session(0)), BenchConfig("b", tiny_session(1))]
     result = run_bench(configs, TINY_PROMPTS[:1], arms=["plain", "spec"], max_new_tokens=4)

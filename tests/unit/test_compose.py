@@ -68,8 +68,8 @@ def test_the_draft_model_catches_up_on_what_lookup_drafted(target: torch.nn.Modu
 
 
 def test_the_bench_runs_spec_alone_as_the_draft_model_without_lookup() -> None:
-    from specchat.engine.bench_runs import SESSION_ARMS, arm_config
     from specchat.engine.config import SPEC_ALONE
+    from specchat.engine.tools.bench_runs import SESSION_ARMS, arm_config
 
     assert SPEC_ALONE in SESSION_ARMS
     alone = arm_config(SPEC_ALONE, DecodeConfig(k=2))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specchat.engine.config import DecodeConfig, Mode
-from specchat.engine.controller import Controller, Costs
+from specchat.engine.decode.controller import Controller, Costs
 
 
 def feed(

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from specchat.engine import speculative
 from specchat.engine.config import MAX_K, DecodeConfig, Mode
+from specchat.engine.decode import speculative
+from specchat.engine.decode.session import ChatSession
+from specchat.engine.decode.speculative import ModelDrafter, accept_or_resample
 from specchat.engine.events import Failed, TokenEvent, TurnFinished, TurnStarted
-from specchat.engine.loading import layer_truncated
-from specchat.engine.runner import ModelRunner
-from specchat.engine.session import ChatSession
-from specchat.engine.speculative import ModelDrafter, accept_or_resample
+from specchat.engine.model.runner import ModelRunner
+from specchat.engine.weights.loading import layer_truncated
 from tests.tinymodels import loaded, tiny_llama, tiny_tokenizer
 from tests.tinymodels import pair_session as make
 from tests.tinymodels import turn_finished as finished
@@ -313,8 +313,8 @@ def test_a_layer_truncated_draft_scores_row_wise_like_its_runner_says(
 ) -> None:
     """The truncated copy shares the layers, whose attention reads the original's config:
     switching only the copy's config left its layers on SDPA (block != single rows)."""
-    from specchat.engine import quant
     from specchat.engine.config import QuantMode
+    from specchat.engine.model import quant
     from tests.tinymodels import tiny_llama as fresh
 
     monkeypatch.setenv("SPECCHAT_NATIVE_DECODER", native)

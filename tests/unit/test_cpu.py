@@ -1,4 +1,4 @@
-"""CPU features (engine/cpu.py): read once, named one way, and the kernels' choices made from them."""
+"""CPU features (engine/model/cpu.py): read once, named one way, and the kernels' choices made from them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specchat.engine import cpu, native
+from specchat.engine.model import cpu, native
 
 SAPPHIRE_RAPIDS = (
     "processor\t: 0\nflags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 avx fma f16c avx2 avx512f "

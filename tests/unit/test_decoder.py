@@ -1,4 +1,4 @@
-"""The native decoder (engine/decoder.py) against transformers' modules, bit for bit.
+"""The native decoder (engine/model/decoder.py) against transformers' modules, bit for bit.
 
 Each case runs two ModelRunners over the same model, one through the native
 decoder and one through the modules, feeds both the same prompt, decode steps
@@ -15,11 +15,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from specchat.engine import decoder, native, quant
 from specchat.engine.config import ModelSpec, QuantMode
-from specchat.engine.cpu import fbgemm_unavailable
-from specchat.engine.loading import has_fbgemm
-from specchat.engine.runner import ModelRunner
+from specchat.engine.model import decoder, native, quant
+from specchat.engine.model.cpu import fbgemm_unavailable
+from specchat.engine.model.runner import ModelRunner
+from specchat.engine.weights.loading import has_fbgemm
 from tests.stories import load_stories, needs_stories
 from tests.tinymodels import tiny_llama
 
@@ -196,7 +196,7 @@ def test_a_failed_build_is_reported_and_decoding_still_works(
 ) -> None:
     from specchat.engine.errors import QuantizationError
     from specchat.engine.events import LoadProgress
-    from specchat.engine.loading import load_model
+    from specchat.engine.weights.loading import load_model
     from tests.tinymodels import tiny_tokenizer
 
     tiny_llama(layers=2).save_pretrained(tmp_path)
@@ -257,7 +257,7 @@ def test_a_failed_build_names_the_compilers_error() -> None:
 @needs_decoder
 def test_early_exit_layer_ranges_are_bit_identical() -> None:
     """The early-exit stack runs layer ranges (exit points, the self-speculative draft)."""
-    from specchat.engine.early_exit import LayerStack
+    from specchat.engine.model.layers import LayerStack
 
     model = tiny_llama()
     fast, slow = pair(model)
@@ -291,7 +291,9 @@ def test_a_refusal_from_the_cpp_side_falls_back(monkeypatch: pytest.MonkeyPatch)
 @needs_decoder
 def test_the_early_exit_stack_shares_its_runners_decoder() -> None:
     """Steppers are made every turn: they must not build a second decoder each time."""
-    from specchat.engine.early_exit import EarlyExitStepper, ExitPolicy, LayerStack
+    from specchat.engine.decode.early_exit import EarlyExitStepper
+    from specchat.engine.decode.exit_policy import ExitPolicy
+    from specchat.engine.model.layers import LayerStack
 
     model = tiny_llama()
     runner = ModelRunner(model, torch.device("cpu"))  # type: ignore[arg-type]

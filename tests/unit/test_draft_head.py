@@ -8,11 +8,11 @@ import torch
 from scipy.stats import chisquare
 
 from specchat.engine.config import DecodeConfig, Mode
-from specchat.engine.draft_head import ShortlistHead, apply_shortlist, shortlist_ids
+from specchat.engine.decode.session import ChatSession
+from specchat.engine.decode.speculative import accept_or_resample
 from specchat.engine.events import TokenEvent
-from specchat.engine.loading import layer_truncated
-from specchat.engine.session import ChatSession
-from specchat.engine.speculative import accept_or_resample
+from specchat.engine.model.draft_head import ShortlistHead, apply_shortlist, shortlist_ids
+from specchat.engine.weights.loading import layer_truncated
 from tests.tinymodels import loaded, tiny_llama
 
 

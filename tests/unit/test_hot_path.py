@@ -12,13 +12,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specchat.engine import sampling, speculative
 from specchat.engine.config import DecodeConfig
-from specchat.engine.loading import layer_truncated
-from specchat.engine.lookup import LookupDrafter
-from specchat.engine.runner import ModelRunner
-from specchat.engine.speculative import Drafter, ModelDrafter, speculative_round
-from specchat.engine.text import ReplyFilter, find_stop
+from specchat.engine.decode import sampling, speculative
+from specchat.engine.decode.lookup import LookupDrafter
+from specchat.engine.decode.speculative import Drafter, ModelDrafter, speculative_round
+from specchat.engine.decode.text import ReplyFilter, find_stop
+from specchat.engine.model.runner import ModelRunner
+from specchat.engine.weights.loading import layer_truncated
 from tests.tinymodels import tiny_llama
 
 HOST_READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig
 from transformers.cache_utils import DynamicLayer
 
-from specchat.engine import kv_cache
-from specchat.engine.kv_cache import GrowingLayer, new_cache
+from specchat.engine.model import kv_cache
+from specchat.engine.model.kv_cache import GrowingLayer, new_cache
 
 # an operation: feed n new positions (n > 0) or crop n (n < 0)
 OPS = st.lists(st.integers(-40, 300).filter(lambda n: n != 0), min_size=1, max_size=25)

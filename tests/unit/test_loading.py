@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from specchat.engine import cpu, loading
 from specchat.engine.config import ModelSpec, QuantMode
 from specchat.engine.errors import ModelLoadError
 from specchat.engine.events import LoadProgress
-from specchat.engine.loading import (
+from specchat.engine.model import cpu
+from specchat.engine.weights import loading
+from specchat.engine.weights.loading import (
     _approx_params,
     default_quant,
     default_quants,
@@ -21,7 +22,7 @@ from specchat.engine.loading import (
 )
 from specchat.tui.commands import common
 
-# What three kinds of machine report (engine/cpu.py), to decide as each of them would.
+# What three kinds of machine report (engine/model/cpu.py), to decide as each of them would.
 ARM = cpu.detect(
     machine="aarch64", cpuinfo="processor\t: 0\nFeatures\t: fp asimd aes crc32 atomics\n"
 )
@@ -80,7 +81,7 @@ def test_automatic_quantization_says_why_a_cpu_without_the_kernels_gets_int8(
 ) -> None:
     """On an ARM CPU the load passes over w4a8 and w8a8 with their reasons, and nothing starts
     a compiler. (The CPU is ARM as the product sees it; int8 runs through ATen anywhere.)"""
-    from specchat.engine import native
+    from specchat.engine.model import native
     from tests.tinymodels import tiny_llama, tiny_tokenizer
 
     tiny_llama(layers=1).save_pretrained(tmp_path)
@@ -106,8 +107,8 @@ def test_automatic_quantization_falls_back_when_the_kernel_cannot_be_built(
     """No compiler: w4a8 is passed over for w8a8, and the load says why."""
     from transformers import LlamaConfig
 
-    from specchat.engine import native
     from specchat.engine.errors import QuantizationError
+    from specchat.engine.model import native
 
     def no_compiler(kernel: str) -> None:
         raise QuantizationError("could not build the w4a8 kernel: g++: not found")
@@ -152,9 +153,9 @@ def test_cli_quant_flags_mean_auto_unless_given() -> None:
 def test_a_model_that_cannot_fit_is_refused_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers import LlamaConfig
 
-    from specchat.engine import memory
     from specchat.engine.errors import OutOfMemoryError
-    from specchat.engine.loading import _check_memory
+    from specchat.engine.weights import memory
+    from specchat.engine.weights.loading import _check_memory
 
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=320)
     _check_memory(cfg, QuantMode.NONE, torch.float32, torch.device("cpu"), "the target")

@@ -10,12 +10,12 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from specchat.engine.config import DecodeConfig, Mode
+from specchat.engine.decode.lookup import LookupDrafter
+from specchat.engine.decode.sampling import logits_to_probs
+from specchat.engine.decode.session import ChatSession
+from specchat.engine.decode.speculative import speculative_round
 from specchat.engine.events import Provenance, RoundEvent, TokenEvent, TurnFinished
-from specchat.engine.lookup import LookupDrafter
-from specchat.engine.runner import ModelRunner
-from specchat.engine.sampling import logits_to_probs
-from specchat.engine.session import ChatSession
-from specchat.engine.speculative import speculative_round
+from specchat.engine.model.runner import ModelRunner
 from tests.tinymodels import loaded, tiny_llama, tiny_tokenizer
 
 

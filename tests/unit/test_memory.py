@@ -11,9 +11,10 @@ import torch
 from torch import nn
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config
 
-from specchat.engine import memory, quant
 from specchat.engine.config import QuantMode
 from specchat.engine.errors import OutOfMemoryError
+from specchat.engine.model import quant
+from specchat.engine.weights import memory
 
 CPU = torch.device("cpu")
 GiB = 2**30

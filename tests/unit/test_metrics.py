@@ -18,8 +18,13 @@ from specchat.engine.events import (
     TurnFinished,
     TurnStarted,
 )
-from specchat.engine.metrics import DecodeMetrics, expected_speedup, expected_tokens, percentile
-from specchat.engine.replay import ReplaySession, synthesize_trace, synthesize_turn
+from specchat.engine.metrics import (
+    DecodeMetrics,
+    expected_speedup,
+    expected_tokens,
+    percentile,
+)
+from specchat.engine.tools.replay import ReplaySession, synthesize_trace, synthesize_turn
 
 
 def spec_round(

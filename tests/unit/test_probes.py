@@ -10,8 +10,8 @@ import time
 import psutil
 import pytest
 
-from specchat.engine import probes
 from specchat.engine.events import SystemSample
+from specchat.engine.tools import probes
 
 
 def test_sample_has_cpu_figures() -> None:
@@ -52,7 +52,7 @@ def test_broken_torch_cuda_means_none(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_probes_never_import_torch() -> None:
     code = (
         "import sys\n"
-        "from specchat.engine import probes\n"
+        "from specchat.engine.tools import probes\n"
         "probes.sample_system()\n"
         "print('torch' in sys.modules)\n"
     )

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from specchat.engine import cpu, quant
 from specchat.engine.config import QuantMode
 from specchat.engine.errors import QuantizationError
+from specchat.engine.model import cpu, quant
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")
@@ -363,7 +363,7 @@ def test_this_bitsandbytes_can_keep_a_layer_unpacked() -> None:
 def test_a_cpu_without_the_kernels_is_refused_with_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
     """On an ARM CPU (as the product sees it) w8a8 and w4a8 say why and what to use instead,
     at the check and when a module is built directly, instead of failing inside torch."""
-    from specchat.engine import native
+    from specchat.engine.model import native
 
     arm = cpu.detect(machine="aarch64", cpuinfo="processor\t: 0\nFeatures\t: fp asimd\n")
     monkeypatch.setattr(cpu, "features", lambda: arm)

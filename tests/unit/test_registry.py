@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from specchat.engine import registry
+from specchat.engine.weights import registry
 
 HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -87,7 +87,7 @@ def test_unknown_names_get_suggestions() -> None:
 def test_the_engine_side_stays_headless() -> None:
     """Importing the registry and the fetcher pulls in neither a UI library nor torch."""
     code = (
-        "import sys, specchat.engine.registry, specchat.engine.fetch\n"
+        "import sys, specchat.engine.weights.registry, specchat.engine.weights.fetch\n"
         "bad = [m for m in ('textual', 'rich', 'torch', 'transformers') if m in sys.modules]\n"
         "print(','.join(bad))\n"
     )

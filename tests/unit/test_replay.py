@@ -23,7 +23,7 @@ from specchat.engine.events import (
     TurnStarted,
 )
 from specchat.engine.protocol import ChatBackend
-from specchat.engine.replay import (
+from specchat.engine.tools.replay import (
     ReplaySession,
     as_plain,
     read_trace,

@@ -7,8 +7,14 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specchat.engine import speculative
-from specchat.engine.sampling import align_vocab, logits_to_probs, residual, sample, token_probs
+from specchat.engine.decode import speculative
+from specchat.engine.decode.sampling import (
+    align_vocab,
+    logits_to_probs,
+    residual,
+    sample,
+    token_probs,
+)
 from tests.tinymodels import ConstantCoin
 
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from specchat.engine.config import DecodeConfig, Mode
-from specchat.engine.early_exit import SelfSpecDrafter
+from specchat.engine.decode.early_exit import SelfSpecDrafter
+from specchat.engine.decode.session import ChatSession
+from specchat.engine.decode.speculative import plain_step, speculative_round
 from specchat.engine.events import Provenance, TokenEvent, TurnFinished
-from specchat.engine.runner import ModelRunner
-from specchat.engine.session import ChatSession
-from specchat.engine.speculative import plain_step, speculative_round
+from specchat.engine.model.runner import ModelRunner
 from tests.tinymodels import loaded, tiny_llama
 
 PROMPTS = ("Once upon a time", "def add(a, b):")

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from specchat.engine.config import DecodeConfig, Mode
+from specchat.engine.decode.session import ChatSession
+from specchat.engine.decode.text import IncrementalDecoder, held_back
 from specchat.engine.events import (
     Cancelled,
     Failed,
@@ -17,8 +19,6 @@ from specchat.engine.events import (
     TurnFinished,
     TurnStarted,
 )
-from specchat.engine.session import ChatSession
-from specchat.engine.text import IncrementalDecoder, held_back
 from tests.tinymodels import loaded, native_or_skip, tiny_llama, tiny_tokenizer
 from tests.tinymodels import pair_session as make
 from tests.tinymodels import turn_finished as finished

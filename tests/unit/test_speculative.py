@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from specchat.engine.config import DecodeConfig, Mode, QuantMode
+from specchat.engine.decode.session import ChatSession
+from specchat.engine.decode.speculative import ModelDrafter, speculative_round
 from specchat.engine.events import Provenance, RoundEvent, TokenEvent, TurnFinished
-from specchat.engine.loading import layer_truncated
-from specchat.engine.runner import ModelRunner
-from specchat.engine.session import ChatSession
-from specchat.engine.speculative import ModelDrafter, speculative_round
+from specchat.engine.model.runner import ModelRunner
+from specchat.engine.weights.loading import layer_truncated
 from tests.tinymodels import loaded, tiny_llama, tiny_tokenizer
 
 
@@ -110,13 +110,13 @@ def test_provenance_and_probabilities(target: torch.nn.Module) -> None:
 def test_cache_rollback_equals_fresh_forward(quant_mode: QuantMode) -> None:
     """After a round that refuses drafts, both caches hold the accepted prefix and nothing else.
 
-    Every runner here is batch-invariant (engine/invariance.py: quantized kernels
+    Every runner here is batch-invariant (engine/model/invariance.py: quantized kernels
     compute each row alone; float32 verify blocks run the fixed-order kernel or
     one row at a time), so a token's logits do not depend on how many tokens
     were fed with it, and the rolled-back caches must give, bit for bit, the
     logits of a fresh forward.
     """
-    from specchat.engine import quant
+    from specchat.engine.model import quant
 
     def same(a: torch.Tensor, b: torch.Tensor) -> None:
         assert torch.equal(a, b), f"differs by {(a - b).abs().max()}"
@@ -160,8 +160,8 @@ def test_greedy_spec_with_quantized_models_equals_plain_of_the_same_target(
     target_quant: str, draft_quant: str
 ) -> None:
     """Exact with respect to the target as loaded: both arms use the same quantized target."""
-    from specchat.engine import quant
     from specchat.engine.config import QuantMode
+    from specchat.engine.model import quant
 
     target = quant.apply(tiny_llama(seed=0, layers=4), QuantMode(target_quant))
     draft = quant.apply(layer_truncated(tiny_llama(seed=0, layers=4), 3), QuantMode(draft_quant))

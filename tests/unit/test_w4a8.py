@@ -1,4 +1,4 @@
-"""The w4a8 kernel (engine/csrc/w4a8.cpp) against the same arithmetic written in torch.
+"""The w4a8 kernel (engine/model/csrc/w4a8.cpp) against the same arithmetic written in torch.
 
 The reference dequantizes the int4 codes and quantizes activations to int8 per 32
 values exactly as the kernel does, so the two differ only by float summation order:
@@ -16,8 +16,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from specchat.engine import native, quant
 from specchat.engine.errors import QuantizationError
+from specchat.engine.model import native, quant
 
 pytestmark = pytest.mark.skipif(
     native.cpu_supports("w4a8") is not None, reason=str(native.cpu_supports("w4a8"))
@@ -192,7 +192,7 @@ def test_loading_says_when_it_compiles_the_kernel(
     """The first load on a machine compiles for ~30 s: the load screen must say why it waits."""
     from specchat.engine.config import ModelSpec, QuantMode
     from specchat.engine.events import LoadProgress
-    from specchat.engine.loading import load_model
+    from specchat.engine.weights.loading import load_model
     from tests.tinymodels import tiny_llama, tiny_tokenizer
 
     tiny_llama(layers=2).save_pretrained(tmp_path)
@@ -202,7 +202,7 @@ def test_loading_says_when_it_compiles_the_kernel(
     spec = ModelSpec(str(tmp_path), QuantMode.W4A8, dtype="float32", device="cpu")
     loaded = load_model(spec, "target", progress=events.append)
     builds = [(e.done, e.total, e.detail.split()[0]) for e in events if e.stage == "build"]
-    # indeterminate while compiling, then done; the decoder kernel (engine/decoder.py) after
+    # indeterminate while compiling, then done; the decoder kernel (engine/model/decoder.py) after
     assert builds == [(0, None, "w4a8"), (1, 1, "w4a8"), (0, None, "decoder"), (1, 1, "decoder")]
     stages = [e.stage for e in events]
     assert stages.index("build") < stages.index("load")

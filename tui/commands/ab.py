@@ -67,9 +67,9 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from specchat.engine.ab import distribution_check, run_ab
-    from specchat.engine.bench import load_prompts
     from specchat.engine.errors import EngineError
+    from specchat.engine.tools.ab import distribution_check, run_ab
+    from specchat.engine.tools.bench import load_prompts
 
     from . import common
 

@@ -123,8 +123,8 @@ def load_session(args: argparse.Namespace, console: Any, label: str = "") -> Any
     """ChatSession from the model flags, with load progress on `console` (stderr)."""
     from rich.progress import BarColumn, Progress, TextColumn
 
+    from specchat.engine.decode.session import ChatSession
     from specchat.engine.events import LoadProgress
-    from specchat.engine.session import ChatSession
 
     target, draft = common.model_specs(args)
     with Progress(
@@ -174,7 +174,7 @@ def plan_configs(
 ) -> tuple[list[Any] | None, str | None, str | None]:
     """(config specs or None for one config from the flags, baseline config label,
     reference arm label), checked before any model is loaded. Raises EngineError."""
-    from specchat.engine.bench_runs import (
+    from specchat.engine.tools.bench_runs import (
         BASELINES,
         ConfigSpecError,
         find_arm,
@@ -247,8 +247,8 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         return error("--repeats must be at least 1")
 
-    from specchat.engine.bench import load_configs, load_prompts
     from specchat.engine.errors import EngineError
+    from specchat.engine.tools.bench import load_configs, load_prompts
 
     try:
         specs, baseline_config, reference = plan_configs(args, modes)
@@ -275,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
 
     telemetry = server = None
     if args.metrics_port is not None:
-        from specchat.engine.telemetry import Telemetry
+        from specchat.engine.tools.telemetry import Telemetry
 
         telemetry = Telemetry()
         try:
@@ -298,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
     path = result.write_json(out_dir / "result.json")
     files = [path]
     if not args.no_plots:
-        from specchat.engine.bench_plots import write_plots
+        from specchat.engine.tools.bench_plots import write_plots
 
         files += write_plots(data, out_dir)
     print_result(data, out)
@@ -328,7 +328,7 @@ def run_with_progress(
         TimeRemainingColumn,
     )
 
-    from specchat.engine.bench import BenchProgress, run_bench
+    from specchat.engine.tools.bench import BenchProgress, run_bench
 
     with Progress(
         TextColumn("[bold]{task.description}"),

@@ -62,11 +62,11 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specchat.engine.calibration import collect, read_prompts
-    from specchat.engine.early_exit import Measure
+    from specchat.engine.decode.exit_policy import Measure
     from specchat.engine.errors import EngineError
     from specchat.engine.events import LoadProgress
-    from specchat.engine.loading import load_model, set_threads
+    from specchat.engine.tools.calibration import collect, read_prompts
+    from specchat.engine.weights.loading import load_model, set_threads
 
     if not 0.0 < args.budget <= 1.0:
         return common.fail(f"--budget must be in (0, 1], got {args.budget}")

@@ -46,7 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 def _replay_loader(path: str, speed: float):  # type: ignore[no-untyped-def]
     def load(progress):  # type: ignore[no-untyped-def]
-        from specchat.engine.replay import ReplaySession
+        from specchat.engine.tools.replay import ReplaySession
 
         return ReplaySession.from_file(path, pace=speed if speed > 0 else None, progress=progress)
 
@@ -58,7 +58,7 @@ def _engine_loader(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         from specchat.engine.errors import EngineError
 
         try:
-            from specchat.engine.session import ChatSession
+            from specchat.engine.decode.session import ChatSession
         except ModuleNotFoundError as exc:
             if exc.name and exc.name.startswith("specchat."):
                 raise EngineError(

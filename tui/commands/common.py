@@ -122,7 +122,7 @@ def _quant(flag: str | None) -> QuantMode | None:
 
 def model_specs(args: argparse.Namespace) -> tuple[ModelSpec, ModelSpec | None]:
     """Target and draft specs from the flags; presets fill what is not given."""
-    from specchat.engine import registry
+    from specchat.engine.weights import registry
 
     target_src = args.target or registry.DEFAULT_PAIR[0]
     if args.draft is not None:

@@ -27,6 +27,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from specchat.engine.decode.session import ChatSession
     from specchat.engine.errors import EngineError
     from specchat.engine.events import (
         Cancelled,
@@ -37,7 +38,6 @@ def run(args: argparse.Namespace) -> int:
         TurnFinished,
         to_dict,
     )
-    from specchat.engine.session import ChatSession
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     try:

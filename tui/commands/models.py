@@ -100,8 +100,8 @@ def _fail(err: Console, message: str, hint: str = "") -> None:
 
 
 def _check_names(names: list[str]) -> None:
-    from specchat.engine import registry
     from specchat.engine.errors import FetchError
+    from specchat.engine.weights import registry
 
     for name in names:
         if not registry.is_preset(name):
@@ -119,9 +119,10 @@ def _check_names(names: list[str]) -> None:
 def _list(args: argparse.Namespace, out: Console) -> int:
     from rich.table import Table
 
-    from specchat.engine import fetch, registry
+    from specchat.engine import paths
+    from specchat.engine.weights import fetch, registry
 
-    root = fetch.cache_root(args.cache_dir)
+    root = paths.cache_root(args.cache_dir)
     table = Table(box=None, pad_edge=False, padding=(0, 1, 0, 0), header_style="bold")
     for col in ("preset", "role", "params", "fetch", "state", "disk", "licence"):
         right = col in ("params", "fetch", "disk")
@@ -164,7 +165,7 @@ class _Bars:
     """Turns LoadProgress events into rich bars, one per stage, and times the stages."""
 
     def __init__(self, progress: Progress) -> None:
-        from specchat.engine.fetch import human_bytes
+        from specchat.engine.weights.fetch import human_bytes
 
         self._progress = progress
         self._human = human_bytes
@@ -215,11 +216,12 @@ def _fetch(args: argparse.Namespace, out: Console) -> int:
         TimeElapsedColumn,
     )
 
-    from specchat.engine import fetch, registry
+    from specchat.engine import paths
+    from specchat.engine.weights import fetch, registry
 
     names = list(dict.fromkeys(args.names or registry.DEFAULT_PAIR))
     _check_names(names)
-    root = fetch.cache_root(args.cache_dir)
+    root = paths.cache_root(args.cache_dir)
     need = fetch.check_disk_space(names, root, keep_gguf=args.keep_gguf)
     if need:
         out.print(
@@ -262,8 +264,8 @@ def _fetch(args: argparse.Namespace, out: Console) -> int:
 
 def _build_kernels(out: Console) -> None:
     """Compile the native kernels now, so the first chat does not wait for the compiler."""
-    from specchat.engine import native
     from specchat.engine.errors import QuantizationError
+    from specchat.engine.model import native
 
     for kernel in native.KERNELS:
         if native.is_built(kernel) or native.cpu_supports(kernel):
@@ -286,10 +288,11 @@ def _build_kernels(out: Console) -> None:
 def _verify(args: argparse.Namespace, out: Console) -> int:
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
-    from specchat.engine import fetch, registry
+    from specchat.engine import paths
     from specchat.engine.errors import FetchError
+    from specchat.engine.weights import fetch, registry
 
-    root = fetch.cache_root(args.cache_dir)
+    root = paths.cache_root(args.cache_dir)
     if args.names:
         names = list(dict.fromkeys(args.names))
         _check_names(names)
@@ -338,8 +341,8 @@ def _verify(args: argparse.Namespace, out: Console) -> int:
 
 
 def _path(args: argparse.Namespace, out: Console) -> int:
-    from specchat.engine import fetch
     from specchat.engine.errors import FetchError
+    from specchat.engine.weights import fetch
 
     _check_names([args.name])
     st = fetch.preset_status(args.name, cache_dir=args.cache_dir)
@@ -353,7 +356,7 @@ def _path(args: argparse.Namespace, out: Console) -> int:
 
 
 def _rm(args: argparse.Namespace, out: Console) -> int:
-    from specchat.engine import fetch
+    from specchat.engine.weights import fetch
 
     _check_names([args.name])
     freed = fetch.remove_preset(args.name, cache_dir=args.cache_dir)

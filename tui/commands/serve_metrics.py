@@ -76,12 +76,12 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from specchat.engine.errors import EngineError
-    from specchat.engine.telemetry import Telemetry
+    from specchat.engine.tools.telemetry import Telemetry
 
     err = Console(stderr=True)
     events: list[Any] = []
     if args.trace or args.demo:
-        from specchat.engine import replay as replay_mod
+        from specchat.engine.tools import replay as replay_mod
 
         try:
             events = (
@@ -120,8 +120,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_benchmark(args: argparse.Namespace, telemetry: Any, console: Any) -> int:
-    from specchat.engine.bench import load_prompts
     from specchat.engine.errors import EngineError
+    from specchat.engine.tools.bench import load_prompts
 
     from . import common
 

@@ -16,7 +16,7 @@ starts a new line either way.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from rich.style import Style
 from rich.text import Text
@@ -32,8 +32,17 @@ from specchat.engine.events import Provenance, TokenEvent
 from ..redraw import redraw, release
 from .tokens import TOKEN_COMPONENTS, cursor_style, provenance_styles, token_css
 
-if TYPE_CHECKING:
-    from .reply import ReplyView
+
+class TokenSource(Protocol):
+    """What the body draws from (the reply it belongs to): its tokens, the inspector's
+    cursor, and whether the reply has finished streaming."""
+
+    tokens: list[TokenEvent]
+    cursor: int | None
+
+    @property
+    def finished(self) -> bool: ...
+
 
 PLACEHOLDER = Text("…", style=Style(dim=True), end="")
 BLOCK_PARAGRAPHS = 8  # paragraphs per widget
@@ -108,7 +117,7 @@ class TokenBody(Vertical):
             self.body = body
             self.index = index
 
-    def __init__(self, reply: ReplyView, **kwargs: Any) -> None:
+    def __init__(self, reply: TokenSource, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.reply = reply
         self._styles: dict[Provenance, Style] | None = None

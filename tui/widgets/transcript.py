@@ -186,7 +186,8 @@ class Transcript(VerticalScroll, can_focus=True):
     def on_token_body_clicked(self, message: TokenBody.Clicked) -> None:
         message.stop()
         self.focus()
-        self.select(message.body.reply, message.index)
+        if isinstance(message.body.reply, ReplyView):
+            self.select(message.body.reply, message.index)
 
     def on_blur(self) -> None:
         self.clear_selection()

@@ -30,9 +30,9 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from .config import DecodeConfig
-from .events import Provenance
-from .runner import ModelRunner
+from ..config import DecodeConfig
+from ..events import Provenance
+from ..model.runner import ModelRunner
 from .sampling import (
     align_vocab,
     logits_to_probs,

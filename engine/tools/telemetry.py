@@ -41,8 +41,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from .config import SPECULATIVE_MODES, Mode
-from .events import Cancelled, Failed, RoundEvent, TokenEvent, TurnFinished, TurnStarted
+from ..config import SPECULATIVE_MODES, Mode
+from ..events import Cancelled, Failed, RoundEvent, TokenEvent, TurnFinished, TurnStarted
 
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0,

@@ -56,6 +56,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..config import DecodeConfig, Mode
+from ..errors import EngineError, OutOfMemoryError
+from ..events import to_dict
+from ..metrics import percentile
 from .bench_runs import (
     BASELINES,
     HF_ASSISTED,
@@ -86,13 +90,9 @@ from .bench_stats import (
     ratio,
     spread,
 )
-from .config import DecodeConfig, Mode
-from .errors import EngineError, OutOfMemoryError
-from .events import to_dict
-from .metrics import percentile
 
 if TYPE_CHECKING:
-    from .session import ChatSession
+    from ..decode.session import ChatSession
     from .telemetry import Telemetry
 
 try:

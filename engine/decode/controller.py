@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .config import DecodeConfig, Mode
-from .metrics import expected_speedup
+from ..config import DecodeConfig, Mode
+from ..metrics import expected_speedup
 
 
 @dataclass(slots=True)

@@ -40,7 +40,7 @@ Modes:
   on the output (`Int8DynamicLinear`).
 - `w4a8`: int4 weights with a scale and a minimum per group of 32 input
   channels, activations quantized to int8 per 32 values, through specchat's
-  own AVX2 kernel (csrc/w4a8.cpp, compiled on first use by engine/native.py;
+  own AVX2 kernel (csrc/w4a8.cpp, compiled on first use by engine/model/native.py;
   x86-64 with AVX2, FMA and F16C, and a C++ compiler).
   Half the bytes of int8 per token and a kernel that streams them: 2-3x
   fbgemm's speed on one layer at one row, ~1.5x per decode step of the 1.5B;
@@ -52,7 +52,7 @@ only (checked bit for bit in the tests), so a quantized target gives the same
 logits for a token whether it is verified in a block of K+1 or decoded alone:
 speculative decoding stays exact with respect to the target as loaded.
 
-Which modes run here is decided from the CPU's own flags (engine/cpu.py) and
+Which modes run here is decided from the CPU's own flags (engine/model/cpu.py) and
 from what the libraries will do on it; a mode that cannot run is refused by
 `check` with a `QuantizationError` and a hint, never left to crash in a library.
 """
@@ -69,9 +69,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from ..config import QuantMode
+from ..errors import QuantizationError
 from . import cpu
-from .config import QuantMode
-from .errors import QuantizationError
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the tinygemm CPU kernel accepts
 DEFAULT_GROUP_SIZE = 32  # same kernel speed as 64 or 128, fewer greedy flips (docs/quantization.md)
@@ -882,7 +882,7 @@ def _linears(model: nn.Module, lm_head: bool) -> Iterator[tuple[nn.Module, str, 
     return iter(found)
 
 
-NATIVE_KERNEL = {QuantMode.W4A8: "w4a8"}  # modes that compile a kernel of engine/csrc on first use
+NATIVE_KERNEL = {QuantMode.W4A8: "w4a8"}  # modes that compile a kernel of engine/model/csrc on first use
 
 HANDLERS: dict[QuantMode, Handler] = {
     QuantMode.NONE: _AsLoaded(),

@@ -7,10 +7,10 @@ first n tokens.
 
 A token's logits do not depend on how many tokens (up to MAX_ROWWISE) are fed
 with it: the basis of greedy speculative output being token-identical to
-plain. Attention scores each row alone (engine/attention.py), the quantized
-kernels compute each row from its own row (engine/quant.py), and float
+plain. Attention scores each row alone (engine/model/attention.py), the quantized
+kernels compute each row from its own row (engine/model/quant.py), and float
 projections run a fixed-order kernel, or take a short block one row at a
-time as a one-token step runs them, and so does silu (engine/invariance.py). `exactness` says, per model, whether
+time as a one-token step runs them, and so does silu (engine/model/invariance.py). `exactness` says, per model, whether
 that holds and by which path, or why not (then speculation is exact in
 distribution and equal to plain up to floating-point ties).
 """
@@ -43,7 +43,7 @@ class ModelRunner:
         # Whether greedy speculative output is token-identical to plain, and how.
         self.exactness = plan(model)
         # Decode steps and verify blocks in one native call where the model allows it
-        # (engine/decoder.py); `native_off` says why not otherwise.
+        # (engine/model/decoder.py); `native_off` says why not otherwise.
         self.native, self.native_off = native_decoder(model, self.exactness)
 
     def reset(self) -> None:

@@ -17,11 +17,9 @@ from pathlib import Path
 
 import torch
 
-from .compose import ComposedDrafter
-from .config import SPECULATIVE_MODES, DecodeConfig, Mode, ModelSpec
-from .controller import Controller, Costs
-from .errors import ContextOverflowError, EngineError
-from .events import (
+from ..config import SPECULATIVE_MODES, DecodeConfig, Mode, ModelSpec
+from ..errors import ContextOverflowError, EngineError
+from ..events import (
     Cancelled,
     Event,
     Failed,
@@ -34,9 +32,13 @@ from .events import (
     TurnStarted,
     TurnStats,
 )
-from .loading import LoadedModel, check_tokenizers_match, load_model, set_threads
+from ..model.runner import ModelRunner
+from ..weights.loading import LoadedModel, check_tokenizers_match, load_model, set_threads
+from .compose import ComposedDrafter
+from .controller import Controller, Costs
+from .early_exit import EarlyExitStepper, SelfSpecDrafter
+from .exit_policy import policy_for
 from .lookup import LookupDrafter
-from .runner import ModelRunner
 from .speculative import (
     Drafter,
     Emitted,
@@ -45,7 +47,7 @@ from .speculative import (
     plain_step,
     speculative_round,
 )
-from .text import IncrementalDecoder, ReplyFilter
+from .text import IncrementalDecoder, ReplyFilter, render_chat
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +60,6 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
-
-
-def eos_ids(model: LoadedModel) -> frozenset[int]:
-    ids: set[int] = set()
-    for source in (model.model.generation_config, model.model.config, model.tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list | tuple):
-            ids.update(int(v) for v in value)
-    return frozenset(ids)
 
 
 class ChatSession:
@@ -108,7 +99,7 @@ class ChatSession:
         if max_context:
             limits.append(max_context)
         self.context_length = min(limits)
-        self.eos = eos_ids(target)
+        self.eos = target.eos_ids
         self.has_template = bool(getattr(self.tokenizer, "chat_template", None))
         self.tokens: list[int] = []  # the sequence the target cache follows
         self._messages: list[tuple[str, str]] = []
@@ -314,19 +305,9 @@ class ChatSession:
 
     def render(self, messages: list[tuple[str, str]]) -> list[int]:
         """Token ids of the conversation, ready for the assistant's reply."""
-        if self.has_template:
-            chat: list[dict[str, str]] = []
-            if self.system_prompt:
-                chat.append({"role": "system", "content": self.system_prompt})
-            chat.extend({"role": r, "content": c} for r, c in messages)
-            text = self.tokenizer.apply_chat_template(
-                chat, add_generation_prompt=True, tokenize=False
-            )
-            ids: list[int] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            return ids
-        parts = ([self.system_prompt] if self.system_prompt else []) + [c for _, c in messages]
-        plain: list[int] = self.tokenizer("\n".join(parts))["input_ids"]
-        return plain
+        chat = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        chat.extend({"role": r, "content": c} for r, c in messages)
+        return render_chat(self.tokenizer, chat)
 
     def _fit_context(self, cfg: DecodeConfig) -> tuple[list[int], int, list[str]]:
         """Render the conversation the model can see: (ids, first message index, notes).
@@ -375,10 +356,6 @@ class ChatSession:
                 return self._composed, None
             return self.drafter, None
         if cfg.mode is Mode.SELF_SPEC:
-            try:
-                from .early_exit import SelfSpecDrafter
-            except ImportError:
-                return None, "self-speculative decoding is not available: plain decoding"
             layer = cfg.exit_layer or max(1, self.target.num_layers // 4)
             if self._self_drafter is None or self._self_drafter_layer != layer:
                 self._self_drafter = SelfSpecDrafter(self.target, layer, runner=self.target_runner)
@@ -390,8 +367,6 @@ class ChatSession:
 
     def _lookup(self) -> LookupDrafter:
         if self._lookup_drafter is None:
-            from .lookup import LookupDrafter
-
             self._lookup_drafter = LookupDrafter(self.target_runner.vocab, self.target.device)
         return self._lookup_drafter
 
@@ -476,13 +451,7 @@ class ChatSession:
         run_mode = cfg.mode if drafter is not None or cfg.mode is Mode.EARLY_EXIT else Mode.PLAIN
         early_exit_step = None
         if run_mode is Mode.EARLY_EXIT:
-            try:
-                from .early_exit import EarlyExitStepper
-            except ImportError:
-                yield Notice("early exit is not available: plain decoding", "warning")
-                run_mode = Mode.PLAIN
-            else:
-                early_exit_step = EarlyExitStepper.for_session(self, cfg)
+            early_exit_step = EarlyExitStepper(self.target_runner, policy_for(self.target, cfg))
 
         # Reuse the cached prefix; prefill the rest (all but the last token).
         reuse = self._start(ids, lossless=run_mode is not Mode.EARLY_EXIT)

@@ -9,6 +9,7 @@ text that is complete (the approach of text-generation-inference and vLLM).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -134,3 +135,16 @@ class ReplyFilter(Generic[T]):
         self.text += "".join(i.text for i in out)
         self.held, self._held_text, self.stopped = [], "", True
         return out
+
+
+def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    """Token ids of a chat ready for the assistant's reply: through the tokenizer's chat
+    template where it has one, else the messages' contents joined by newlines."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [dict(m) for m in messages], add_generation_prompt=True, tokenize=False
+        )
+        ids: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids
+    plain: list[int] = tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
+    return plain

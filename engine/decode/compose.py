@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import MAX_K, DecodeConfig
+from ..config import MAX_K, DecodeConfig
 from .lookup import LookupDrafter
 from .speculative import Drafter, Proposal
 

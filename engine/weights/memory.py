@@ -25,9 +25,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from .config import QuantMode
-from .errors import OutOfMemoryError
-from .quant import (
+from ..config import QuantMode
+from ..errors import OutOfMemoryError
+from ..model.quant import (
     BNB_BLOCK_SIZE,
     DEFAULT_GROUP_SIZE,
     QUANTIZE_LM_HEAD,

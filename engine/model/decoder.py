@@ -1,4 +1,4 @@
-"""Decode steps and verify blocks through one native call per pass (engine/csrc/decoder.cpp).
+"""Decode steps and verify blocks through one native call per pass (engine/model/csrc/decoder.cpp).
 
 Between its matrix products, a decode step of the 1.5B target makes ~1,400
 small tensor operations (norms, rotary, attention, residuals, views). Issued
@@ -14,12 +14,12 @@ whatever the native path does not support.
 In `feed`, a verify block's rows get the one-token steps' bits: float32
 projections run the fixed-order kernel (steps too), other float projections
 and silu take the rows one at a time, and so do the rotary tables and the LM
-head (engine/invariance.py). Outside `feed` (the early-exit stack's layer
+head (engine/model/invariance.py). Outside `feed` (the early-exit stack's layer
 ranges) the layers compute a block as transformers' modules do.
 
 Supported: Llama and Qwen2 (RMSNorm, rotary, grouped-query attention with
 optional q/k/v biases, SwiGLU), full attention scored row by row
-(engine/attention.py), a cache of `GrowingLayer`s, and projections that are
+(engine/model/attention.py), a cache of `GrowingLayer`s, and projections that are
 float `nn.Linear`s, w4a8 or w8a8 (alone or as a shared-input group), or
 int8 / int4 weight-only. Not bitsandbytes (CUDA). Anything else
 gets `None` from `native_decoder` with the reason, and runs as before.
@@ -36,8 +36,8 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache, PreTrainedModel
 
+from ..errors import QuantizationError
 from .attention import MAX_ROWWISE, NAME
-from .errors import QuantizationError
 from .invariance import BATCHED, Exactness, RowsApart, plan
 from .kv_cache import GrowingLayer
 from .quant import (
@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 ENV = "SPECCHAT_NATIVE_DECODER"  # "0" turns the native path off (for A/B runs)
 ARCHITECTURES = ("llama", "qwen2")
-_DENSE, _W4A8, _INT8, _INT4, _W8A8 = 0, 1, 2, 3, 4  # engine/csrc/decoder.cpp's Kind
+_DENSE, _W4A8, _INT8, _INT4, _W8A8 = 0, 1, 2, 3, 4  # engine/model/csrc/decoder.cpp's Kind
 _STAGES = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
@@ -67,7 +67,7 @@ def native_decoder(
     """The native decoder for `model`, or None and why not (never raises).
 
     `exactness`: how `feed` runs a block's float projections and silu (default:
-    engine/invariance.py's plan for the model).
+    engine/model/invariance.py's plan for the model).
     """
     if os.environ.get(ENV, "1") == "0":
         return None, f"turned off by {ENV}=0"
@@ -136,7 +136,7 @@ class NativeDecoder:
         """As the model on ids [n] after `past` tokens: logits [keep, V]; appends to the cache."""
         n = int(ids.shape[-1])
         # The rotary tables and the LM head as the runner's modules path runs them
-        # (engine/invariance.py); the C++ does the layers' projections and silu.
+        # (engine/model/invariance.py); the C++ does the layers' projections and silu.
         ex = self.exactness
         with RowsApart(ex.fixed) if RowsApart.needed(ex, n) else nullcontext():
             h = self.inner.embed_tokens(ids.view(1, n))  # [1, n, H]
@@ -163,7 +163,7 @@ class NativeDecoder:
     ) -> Tensor:
         """Layers `run` (consecutive) on h [1, n, H]: their output; appends their K/V.
 
-        `rows`: how float projections and silu take the rows (engine/invariance.py):
+        `rows`: how float projections and silu take the rows (engine/model/invariance.py):
         `feed` passes its plan's; the default is transformers' layer modules' way
         (the early-exit stack runs both, and must match them).
         """

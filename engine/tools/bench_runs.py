@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .config import SPEC_ALONE, DecodeConfig, Mode, QuantMode
-from .errors import EngineError
-from .events import Failed, Notice, RoundEvent, TokenEvent, TurnFinished, TurnStarted
+from ..config import SPEC_ALONE, DecodeConfig, Mode, QuantMode
+from ..errors import EngineError
+from ..events import Failed, Notice, RoundEvent, TokenEvent, TurnFinished, TurnStarted
 
 if TYPE_CHECKING:
-    from .session import ChatSession
+    from ..decode.session import ChatSession
     from .telemetry import Telemetry
 
 try:
@@ -480,9 +480,7 @@ def hf_generation_config(session: ChatSession, cfg: DecodeConfig, max_new_tokens
     (a repetition penalty, sampling) cannot change what the baseline does."""
     from transformers import GenerationConfig
 
-    from .session import eos_ids
-
-    eos = sorted(eos_ids(session.target))
+    eos = sorted(session.target.eos_ids)
     pad = session.tokenizer.pad_token_id
     sampling = not cfg.greedy
     return GenerationConfig(

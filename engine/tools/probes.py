@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .events import SystemSample
+from ..events import SystemSample
 
 try:  # psutil is a dependency, but a broken install must not break the chat
     import psutil

@@ -6,9 +6,9 @@ scores a token in a verify block of K+1 bit for bit as it scores it alone in
 a one-token step. Three parts of a pass could break that:
 
 - attention: scored row by row, as the one-token step does
-  (engine/attention.py; the native decoder does the same);
+  (engine/model/attention.py; the native decoder does the same);
 - quantized projections (w4a8, w8a8, int8, int4): their kernels compute each
-  output row from its own input row only (engine/quant.py);
+  output row from its own input row only (engine/model/quant.py);
 - float projections and approximate elementwise functions, here. A float
   GEMM is not batch-invariant on the CPU: MKL reduces a row in another order
   alone than among others (one row alone against the same row in a block of
@@ -59,8 +59,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from ..errors import QuantizationError
 from .attention import MAX_ROWWISE, NAME
-from .errors import QuantizationError
 from .quant import (
     Int4WeightOnlyLinear,
     Int8DynamicLinear,
@@ -250,7 +250,7 @@ def plan(model: nn.Module) -> Exactness:
     if device.type != "cpu":
         blockers.insert(0, f"on {device.type} the GEMM kernels are chosen by the number of rows")
     if getattr(config, "_attn_implementation", None) != NAME:
-        blockers.insert(0, "attention is not scored row by row (engine/attention.py)")
+        blockers.insert(0, "attention is not scored row by row (engine/model/attention.py)")
     if blockers:
         return Exactness(False, BATCHED, f"{TIES}: {blockers[0]}")
     setting = os.environ.get(ENV, "1")

@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .events import LoadProgress
-    from .fetch import Resolved
+    pass
 
-# engine/registry.py -> engine -> project root
-_PROJECT_ROOT = Path(__file__).resolve().parents[1]
+# engine/weights/registry.py -> weights -> engine -> project root
+_PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,16 +257,3 @@ def role_of(name: str) -> str | None:
         if name == draft:
             return "draft"
     return None
-
-
-def resolve(
-    source: str,
-    *,
-    cache_dir: Path | None = None,
-    progress: Callable[[LoadProgress], None] | None = None,
-    fetch: bool = True,
-) -> Resolved:
-    """Same as `specchat.engine.fetch.resolve` (kept here so callers may import it from either)."""
-    from .fetch import resolve as _resolve
-
-    return _resolve(source, cache_dir=cache_dir, progress=progress, fetch=fetch)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import DecodeConfig
+from ..config import DecodeConfig
 from .speculative import Proposal
 
 MAX_NGRAM = 3  # the longest suffix looked up first: the most specific context

@@ -29,238 +29,23 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 from transformers import DynamicCache
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from .attention import MAX_ROWWISE
-from .config import DecodeConfig
-from .decoder import native_decoder
-from .errors import EngineError
-from .events import Provenance
-from .kv_cache import new_cache
-from .runner import ModelRunner
+from ..config import DecodeConfig
+from ..events import Provenance
+from ..model.kv_cache import new_cache
+from ..model.layers import LayerStack, crop_layers
+from ..model.runner import ModelRunner
+from .exit_policy import ExitPolicy, Measure, exits_at
 from .sampling import logits_to_probs, sample
 from .speculative import Emitted, Proposal, RoundResult, draft_chain
 
 if TYPE_CHECKING:
-    from .loading import LoadedModel
-    from .session import ChatSession
-
-# Used when the model has no calibration and no --exit-threshold was given:
-# strict, because an uncalibrated exit layer can be confidently wrong.
-DEFAULT_THRESHOLD = 0.99
-
-
-class Measure(StrEnum):
-    """What decides an exit (see the module docstring for the costs)."""
-
-    SOFTMAX = "softmax"  # top-1 probability
-    MARGIN = "margin"  # top-1 minus top-2 probability
-    SATURATION = "saturation"  # cosine(hidden at this exit point, hidden at the previous one)
-
-
-def default_exit_layers(num_layers: int) -> tuple[int, ...]:
-    """Every quarter: 7, 14, 21 of 28; 1, 2, 3 of 4. Counted in layers executed."""
-    points = {num_layers * q // 4 for q in (1, 2, 3)}
-    return tuple(sorted(p for p in points if 1 <= p < num_layers))
-
-
-def exits_at(confidence: float, threshold: float) -> bool:
-    """The exit rule. A threshold of 1.0 or more means never (a probability can reach 1.0)."""
-    return threshold < 1.0 and confidence >= threshold
-
-
-@dataclass(frozen=True, slots=True)
-class ExitPolicy:
-    """Where to look and when to leave.
-
-    `layers` are exit points counted in layers executed (1..L-1, increasing);
-    `thresholds[i]` applies at `layers[i]` (>= 1.0: never exit there);
-    `gates[i]`, for SOFTMAX and MARGIN, is the saturation pre-check: the LM
-    head is computed at `layers[i]` only when saturation >= gates[i].
-    """
-
-    layers: tuple[int, ...]
-    thresholds: tuple[float, ...]
-    measure: Measure = Measure.SOFTMAX
-    gates: tuple[float, ...] | None = None
-    source: str = "default"  # "calibrated" | "threshold" | "default"
-
-    def __post_init__(self) -> None:
-        if len(self.thresholds) != len(self.layers):
-            raise ValueError("one threshold per exit layer")
-        if self.gates is not None and len(self.gates) != len(self.layers):
-            raise ValueError("one gate per exit layer")
-        if list(self.layers) != sorted(set(self.layers)) or (self.layers and self.layers[0] < 1):
-            raise ValueError(f"exit layers must be increasing and >= 1, got {self.layers}")
-
-    @classmethod
-    def uniform(
-        cls,
-        layers: tuple[int, ...],
-        threshold: float,
-        measure: Measure = Measure.SOFTMAX,
-        source: str = "threshold",
-    ) -> ExitPolicy:
-        return cls(layers, (threshold,) * len(layers), measure, None, source)
-
-    @property
-    def active(self) -> bool:
-        return any(t < 1.0 for t in self.thresholds)
-
-
-# -- the target's layers, called one by one -------------------------------------
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-class LayerStack:
-    """A Llama-style decoder (Llama, Qwen2, Qwen3, Mistral) run layer by layer.
-
-    Layers are called exactly as `LlamaModel.forward` / `Qwen2Model.forward`
-    call them, so a pass through all layers gives the model's own numbers.
-    """
-
-    def __init__(self, model: Any, runner: ModelRunner | None = None) -> None:
-        """`runner`: the runner over `model` whose native decoder to share (else one is built)."""
-        inner = getattr(model, "model", None)
-        needed = ("embed_tokens", "layers", "norm", "rotary_emb")
-        if inner is None or not all(hasattr(inner, n) for n in needed):
-            raise EngineError(
-                f"early exit needs a Llama-style decoder; {type(model).__name__} is not one",
-                hint="use plain or speculative decoding with this model",
-            )
-        attn = inner.layers[0].self_attn
-        if not all(hasattr(attn, n) for n in ("k_proj", "v_proj", "head_dim")):
-            raise EngineError(
-                f"early exit cannot fill the K/V of {type(attn).__name__} layers",
-                hint="use plain or speculative decoding with this model",
-            )
-        self.model = model
-        self.config = model.config
-        self.inner = inner
-        self.layers = list(inner.layers)
-        self.num_layers = int(model.config.num_hidden_layers)
-        self.head = model.get_output_embeddings()
-        types = getattr(model.config, "layer_types", None)
-        self.layer_types: list[str] = list(types or ["full_attention"] * self.num_layers)
-        # Layer ranges in one native call where possible (engine/decoder.py): bit-identical.
-        # The runner's, when it serves the same model: steppers are made every turn.
-        if runner is not None and runner.model is model:
-            self.native = runner.native
-        else:
-            self.native, _ = native_decoder(model)
-
-    def begin(self, ids: Tensor, cache: DynamicCache, past: int) -> _Pass:
-        """Embed ids [S] at positions past..past+S-1; rotary for the pass."""
-        n = int(ids.shape[-1])
-        h = self.inner.embed_tokens(ids.view(1, n))  # [1, S, H]
-        pos = torch.arange(past, past + n, device=h.device).view(1, n)  # [1, S]
-        rope = self.inner.rotary_emb(h, pos)  # (cos, sin), each [1, S, D]
-        # With the native decoder the model scores short blocks row by row, which takes
-        # no mask (engine/attention.py): skip making one, ~1 ms of Python a step.
-        short = self.native is not None and n <= MAX_ROWWISE
-        masks = dict.fromkeys(self.layer_types) if short else self._masks(h, pos, cache)
-        return _Pass(h, pos, rope, masks, cache, past)
-
-    def run(self, p: _Pass, start: int, stop: int) -> Tensor:
-        """Layers start..stop-1 (0-based); appends their K/V to p.cache; returns p.h [1, S, H]."""
-        run = range(start, stop)
-        if self.native is not None and self.native.usable(p.cache, p.past, p.h.shape[1], run):
-            p.h = self.native.layers(p.h, p.rope, p.cache, p.past, run)
-            return p.h
-        for i in run:
-            p.h = self.layers[i](
-                p.h,
-                attention_mask=p.masks[self.layer_types[i]],
-                position_embeddings=p.rope,
-                position_ids=p.pos,
-                cache=p.cache,
-                use_cache=True,
-            )
-        return p.h
-
-    def _masks(self, h: Tensor, pos: Tensor, cache: DynamicCache) -> dict[str, Any]:
-        """The attention masks the modules take, as the model's forward makes them."""
-        args = {
-            "config": self.config,
-            "inputs_embeds": h,
-            "attention_mask": None,
-            "cache": cache,
-            "position_ids": pos,
-        }
-        masks = {"full_attention": create_causal_mask(**args)}  # type: ignore[arg-type]
-        if "sliding_attention" in self.layer_types:
-            masks["sliding_attention"] = create_sliding_window_causal_mask(**args)  # type: ignore[arg-type]
-        return masks
-
-    def logits(self, h: Tensor) -> Tensor:
-        """Final norm and LM head: h [..., H] -> logits [..., V]."""
-        out: Tensor = self.head(self.inner.norm(h))
-        return out
-
-    def kv_fill(self, p: _Pass, start: int) -> None:
-        """Give layers start..L-1 K/V for p's positions from p.h (CALM state propagation).
-
-        For each skipped layer: input_layernorm, k_proj / v_proj (k_norm where
-        the model has one), rotary on K, append to that layer's cache.
-        """
-        cos, sin = (t.unsqueeze(1) for t in p.rope)  # [1, 1, S, D]
-        for i in range(start, self.num_layers):
-            layer = self.layers[i]
-            attn = layer.self_attn
-            x = layer.input_layernorm(p.h)  # [1, S, H]
-            shape = (*x.shape[:-1], -1, attn.head_dim)
-            k = attn.k_proj(x).view(shape)  # [1, S, Hkv, D]
-            k_norm = getattr(attn, "k_norm", None)
-            if k_norm is not None:
-                k = k_norm(k)
-            k = k.transpose(1, 2)  # [1, Hkv, S, D]
-            v = attn.v_proj(x).view(shape).transpose(1, 2)  # [1, Hkv, S, D]
-            k = k * cos + _rotate_half(k) * sin
-            p.cache.update(k, v, i)
-
-    def layer_params(self) -> tuple[int, int, int]:
-        """(one decoder layer, the LM head, one layer's K/V fill) in parameters: a cost proxy."""
-        layer = self.layers[0]
-        attn = layer.self_attn
-        n_layer = sum(t.numel() for t in layer.parameters())
-        n_head = sum(t.numel() for t in self.head.parameters())
-        n_fill = sum(
-            t.numel()
-            for m in (layer.input_layernorm, attn.k_proj, attn.v_proj)
-            for t in m.parameters()
-        )
-        return n_layer, n_head, n_fill
-
-
-@dataclass(slots=True)
-class _Pass:
-    h: Tensor  # [1, S, H] the residual stream
-    pos: Tensor  # [1, S]
-    rope: tuple[Tensor, Tensor]
-    masks: dict[str, Any]  # by layer type
-    cache: DynamicCache
-    past: int  # positions cached before this pass
-
-
-def crop_layers(cache: DynamicCache, layers: range, n: int) -> None:
-    """Keep the first n positions of the given cache layers only."""
-    for i in layers:
-        if i < len(cache.layers):
-            layer: Any = cache.layers[i]
-            extra = layer.get_seq_length() - n
-            if extra > 0:
-                layer.crop(-extra)
-
+    from ..weights.loading import LoadedModel
 
 def _saturation(a: Tensor, b: Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1))
@@ -318,22 +103,6 @@ class EarlyExitStepper:
             )
         n = len(policy.layers)
         self.counts = ExitCounts(head_evals=[0] * n, gated=[0] * n, exits=[0] * n)
-
-    @classmethod
-    def for_session(cls, session: ChatSession, cfg: DecodeConfig) -> EarlyExitStepper:
-        """The session's calibrated policy; cfg.exit_threshold (top-1 probability) overrides it."""
-        from .calibration import load_calibration
-
-        num_layers = session.target.num_layers
-        cal = load_calibration(session.target)
-        layers = cal.layers if cal is not None else default_exit_layers(num_layers)
-        if cfg.exit_threshold is not None:
-            policy = ExitPolicy.uniform(layers, cfg.exit_threshold)
-        elif cal is not None:
-            policy = cal.policy(cfg.exit_budget)
-        else:
-            policy = ExitPolicy.uniform(layers, DEFAULT_THRESHOLD, source="default")
-        return cls(session.target_runner, policy)
 
     def step(
         self, seq: list[int], cfg: DecodeConfig, generator: torch.Generator | None

@@ -62,7 +62,7 @@ class GrowingLayer(DynamicLayer):
     def reserve(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The key and value buffers [B, H, capacity, D], grown to hold at least n positions.
 
-        For writers that fill positions themselves (engine/decoder.py) and then call
+        For writers that fill positions themselves (engine/model/decoder.py) and then call
         `set_length`. The layer must have been written to before (shapes, dtype).
         """
         if self._k is None or self._v is None:

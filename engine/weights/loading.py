@@ -14,9 +14,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from .config import ModelSpec, QuantMode
-from .errors import ModelLoadError, TokenizerMismatchError
-from .events import LoadProgress, ModelInfo
+from ..config import ModelSpec, QuantMode
+from ..errors import ModelLoadError, TokenizerMismatchError
+from ..events import LoadProgress, ModelInfo
 
 Progress = Callable[[LoadProgress], None]
 
@@ -35,6 +35,18 @@ class LoadedModel:
     @property
     def num_layers(self) -> int:
         return int(self.model.config.num_hidden_layers)
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """Every id that ends a reply: the generation config's, the model config's, the tokenizer's."""
+        ids: set[int] = set()
+        for source in (self.model.generation_config, self.model.config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None)
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list | tuple):
+                ids.update(int(v) for v in value)
+        return frozenset(ids)
 
 
 def pick_device(name: str) -> torch.device:
@@ -66,7 +78,7 @@ def default_quants(
 ) -> tuple[QuantMode, ...]:
     """The quantizations to try, best first, when none is asked for; chosen by measurement.
 
-    Decided from what this machine has (engine/cpu.py): a mode whose kernel the
+    Decided from what this machine has (engine/model/cpu.py): a mode whose kernel the
     CPU or the torch build cannot run is left out, unless `runnable_only` is
     False, which gives the whole order so that the loader can say why each
     earlier mode was passed over. Whether a kernel can be compiled is only known
@@ -88,7 +100,7 @@ def default_quants(
         return (QuantMode.NONE,)
     if device.type == "cuda":
         return (QuantMode.BNB_NF4,)
-    from .native import cpu_supports
+    from ..model.native import cpu_supports
 
     modes: list[QuantMode] = []
     if not runnable_only or cpu_supports("w4a8") is None:
@@ -103,7 +115,7 @@ def _check_quant(
     mode: QuantMode, config: Any, device: torch.device, report: Progress
 ) -> None:
     """quant.check, saying so first when it will compile a native kernel (once per machine)."""
-    from . import native, quant
+    from ..model import native, quant
 
     kernel = quant.NATIVE_KERNEL.get(mode)
     building = (
@@ -119,13 +131,13 @@ def _check_quant(
 
 
 def _build_decoder(config: Any, device: torch.device, report: Progress) -> None:
-    """Compile the native decoder kernel (engine/decoder.py) where it will serve, saying so.
+    """Compile the native decoder kernel (engine/model/decoder.py) where it will serve, saying so.
 
     A failed build is not an error: decoding then runs through transformers' modules,
     and the runner says why (`ModelRunner.native_off`).
     """
-    from . import decoder, native
-    from .errors import QuantizationError
+    from ..errors import QuantizationError
+    from ..model import decoder, native
 
     if device.type != "cpu" or getattr(config, "model_type", None) not in decoder.ARCHITECTURES:
         return
@@ -146,7 +158,7 @@ def _first_that_fits(
     modes: tuple[QuantMode, ...], config: Any, device: torch.device, report: Progress
 ) -> QuantMode:
     """The first automatic choice that works here, saying why each earlier one did not."""
-    from .errors import QuantizationError
+    from ..errors import QuantizationError
 
     for i, mode in enumerate(modes):
         if mode is QuantMode.NONE:
@@ -163,7 +175,7 @@ def _first_that_fits(
 
 def has_fbgemm() -> bool:
     """Whether fbgemm, which w8a8 runs on, works here: an x86 torch build on an AVX2 CPU."""
-    from .cpu import fbgemm_unavailable
+    from ..model.cpu import fbgemm_unavailable
 
     return fbgemm_unavailable() is None
 
@@ -236,10 +248,10 @@ def load_model(
     progress: Progress | None = None,
 ) -> LoadedModel:
     """Resolve spec.source (preset, folder, .gguf, hub id) and load it to decode."""
-    from . import registry
+    from . import fetch
 
     report = progress or (lambda _e: None)
-    resolved = registry.resolve(spec.source, cache_dir=cache_dir, progress=progress)
+    resolved = fetch.resolve(spec.source, cache_dir=cache_dir, progress=progress)
     label = f"{role} model {spec.source!r}"
     config = _check_causal_lm(resolved.pretrained, resolved.gguf_file, label)
     device = pick_device(spec.device)
@@ -255,7 +267,7 @@ def load_model(
         modes = default_quants(role, device, _approx_params(config), runnable_only=False)
         mode = _first_that_fits(modes, config, device, report)
     if mode is not QuantMode.NONE:
-        from . import quant as quant_mod
+        from ..model import quant as quant_mod
 
         quant = quant_mod
         _check_quant(mode, config, device, report)
@@ -272,7 +284,7 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(resolved.pretrained, gguf_file=resolved.gguf_file)
         model = AutoModelForCausalLM.from_pretrained(resolved.pretrained, **kwargs)
     except torch.OutOfMemoryError as exc:
-        from .errors import OutOfMemoryError
+        from ..errors import OutOfMemoryError
 
         raise OutOfMemoryError(
             f"out of memory while loading the {label}",
@@ -286,7 +298,7 @@ def load_model(
     if "device_map" not in kwargs:
         model.to(device)  # type: ignore[arg-type]  # in place for nn.Module
     if spec.head_shortlist:
-        from .draft_head import apply_shortlist
+        from ..model.draft_head import apply_shortlist
 
         special = [int(i) for i in getattr(tokenizer, "all_special_ids", [])]
         special += [int(i) for i in getattr(tokenizer, "added_tokens_decoder", {})]

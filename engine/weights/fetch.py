@@ -59,9 +59,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from ..errors import FetchError, ModelLoadError
+from ..events import LoadProgress
+from ..paths import cache_root, hash_memo, models_dir
 from . import registry
-from .errors import FetchError, ModelLoadError
-from .events import LoadProgress
 from .registry import GgufSource, Preset, WheelPart
 
 if sys.platform != "win32":
@@ -132,20 +133,9 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def cache_root(cache_dir: Path | str | None = None) -> Path:
-    """The cache folder: the argument, else $SPECCHAT_CACHE, else $XDG_CACHE_HOME/specchat."""
-    if cache_dir:
-        return Path(cache_dir).expanduser()
-    if os.environ.get("SPECCHAT_CACHE"):
-        return Path(os.environ["SPECCHAT_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "specchat"
-
-
 def model_dir(name: str, cache_dir: Path | str | None = None) -> Path:
     """Where the converted folder of preset `name` lives (whether or not it exists)."""
-    return cache_root(cache_dir) / "models" / name
+    return models_dir(cache_dir) / name
 
 
 def _gguf_path(preset: Preset, root: Path) -> Path:
@@ -1003,7 +993,7 @@ def weights_sha256(
         files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in _WEIGHT_SUFFIXES)
     if not files:
         return None
-    memo_path = cache_root(cache_dir) / "hashes.json"
+    memo_path = hash_memo(cache_dir)
     try:
         memo: dict[str, Any] = json.loads(memo_path.read_text())
     except (OSError, ValueError):

@@ -9,11 +9,11 @@ The kernels register with torch (`torch.ops.specchat.w4a8_linear`,
 no pybind11, and parallel loops run on torch's own thread pool.
 
 A machine that cannot build them (no compiler; w4a8 also needs x86 with
-AVX2, FMA and F16C, read from the CPU by engine/cpu.py) gets a
+AVX2, FMA and F16C, read from the CPU by engine/model/cpu.py) gets a
 `QuantizationError` that says why and what to use instead.
 Nothing here is required: the other quantization modes need no kernel of
 ours, and without the decoder kernel decoding runs through transformers'
-modules (engine/decoder.py), slower but with the same results.
+modules (engine/model/decoder.py), slower but with the same results.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from pathlib import Path
 
 import torch
 
+from ..errors import QuantizationError
+from ..paths import kernels_dir
 from . import cpu
-from .errors import QuantizationError
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = {"w4a8": _CSRC / "w4a8.cpp", "decoder": _CSRC / "decoder.cpp"}
@@ -46,7 +47,7 @@ _failed: dict[str, QuantizationError] = {}  # kernel -> why its build failed in 
 def cpu_supports(kernel: str, have: cpu.CpuFeatures | None = None) -> str | None:
     """Why this CPU (or one that has `have`) cannot run `kernel`, or None when it can.
 
-    Decided from the instruction sets the CPU reports (engine/cpu.py), not from
+    Decided from the instruction sets the CPU reports (engine/model/cpu.py), not from
     torch's dispatch level, which ATEN_CPU_CAPABILITY can lower.
     """
     if kernel not in _NEEDS_AVX2:
@@ -80,13 +81,11 @@ def _others() -> str:
 
 def build_dir(kernel: str) -> Path:
     """Where `kernel` is built: one folder per source, flags, torch version and architecture."""
-    from .fetch import cache_root
-
     key = hashlib.sha256(_SOURCES[kernel].read_bytes())
     key.update(" ".join(_FLAGS[kernel]).encode())
     key.update(torch.__version__.encode())
     key.update(platform.machine().encode())  # a cache folder shared by x86 and ARM machines
-    return cache_root() / "kernels" / f"{kernel}-{key.hexdigest()[:16]}"
+    return kernels_dir() / f"{kernel}-{key.hexdigest()[:16]}"
 
 
 def is_built(kernel: str) -> bool:

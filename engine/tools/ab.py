@@ -19,7 +19,7 @@ conversation with empty caches:
 
 Where the two must be token-identical: greedy plain, spec, self-spec and
 lookup against each other when the target's logits are batch-invariant (the
-runner's `exactness`, engine/invariance.py: on the CPU, Llama/Qwen2, float32,
+runner's `exactness`, engine/model/invariance.py: on the CPU, Llama/Qwen2, float32,
 bfloat16 or w4a8/w8a8/int8/int4, native decoder or transformers' modules).
 There any divergence is a bug, near-tie or not. Elsewhere (CUDA, other
 architectures, transformers' generate as a baseline) speculation is exact in
@@ -46,6 +46,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..config import DecodeConfig, Mode
+from ..events import TokenEvent, TurnFinished
+from ..model.invariance import TIES
 from .bench import environment, model_record
 from .bench_runs import (
     BASELINES,
@@ -59,12 +62,9 @@ from .bench_runs import (
     run_session_arm,
 )
 from .bench_stats import chi_square_homogeneity, total_variation
-from .config import DecodeConfig, Mode
-from .events import TokenEvent, TurnFinished
-from .invariance import TIES
 
 if TYPE_CHECKING:
-    from .session import ChatSession
+    from ..decode.session import ChatSession
 
 LOSSY = frozenset({Mode.EARLY_EXIT.value})
 

@@ -1,4 +1,12 @@
-"""Calibration of early-exit thresholds, per model, stored in the cache folder.
+"""When early exit leaves, and the calibration that decides it, per model.
+
+`ExitPolicy` says where to look and when to leave (CALM, Schuster et al. 2022).
+A `Calibration` holds, for one model's weights, the confidence measures and the
+top-1 agreement with the full model at every exit layer over a calibration
+set; any agreement budget turns into a policy when it is loaded:
+`load_calibration(target).policy(budget)`. `policy_for` picks the policy a turn
+runs with. Making a calibration (running the target over prompts) is a tool:
+tools/calibration.py.
 
 The full target runs over a prompt set (and a short greedy continuation of
 each, so the positions include the model's own outputs). At every position
@@ -9,10 +17,7 @@ the lowest one whose exit set keeps top-1 agreement at or above the budget
 measured on a calibration set rather than guaranteed by a statistical test).
 Raising the budget can only raise a threshold.
 
-The records, not only the thresholds, are saved, so any budget can be
-applied when the file is loaded: `load_calibration(loaded).policy(budget)`.
-Files live in `$SPECCHAT_CACHE` (default ~/.cache/specchat) under
-`calibration/<weights hash>.json`.
+Files live in the cache (engine/paths.py) under `calibration/<weights hash>.json`.
 
 A caveat stated once: calibration sees hidden states computed with the
 full cache, while at decode time the K/V of skipped layers are filled from
@@ -22,24 +27,24 @@ what was calibrated (the usual CALM approximation).
 
 from __future__ import annotations
 
-import datetime as _dt
 import hashlib
 import json
 import math
-import os
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from .early_exit import ExitPolicy, LayerStack, Measure, default_exit_layers
-from .events import LoadProgress
-from .loading import LoadedModel
-from .runner import ModelRunner
+from ..config import DecodeConfig
+from ..paths import calibration_dir
+
+if TYPE_CHECKING:
+    from ..weights.loading import LoadedModel
 
 FORMAT = 1
 # Pre-check candidates: these quantiles of the saturation of a layer's calibrated exits.
@@ -47,15 +52,72 @@ GATE_QUANTILES = (0.02, 0.05, 0.1, 0.2, 0.35, 0.5)
 MAX_ROUNDS = 8
 OFF = math.inf  # "never exit here"
 
-Chat = Sequence[Mapping[str, str]]
+
+
+# Used when the model has no calibration and no --exit-threshold was given:
+# strict, because an uncalibrated exit layer can be confidently wrong.
+DEFAULT_THRESHOLD = 0.99
+
+
+class Measure(StrEnum):
+    """What decides an exit (see the module docstring for the costs)."""
+
+    SOFTMAX = "softmax"  # top-1 probability
+    MARGIN = "margin"  # top-1 minus top-2 probability
+    SATURATION = "saturation"  # cosine(hidden at this exit point, hidden at the previous one)
+
+
+def default_exit_layers(num_layers: int) -> tuple[int, ...]:
+    """Every quarter: 7, 14, 21 of 28; 1, 2, 3 of 4. Counted in layers executed."""
+    points = {num_layers * q // 4 for q in (1, 2, 3)}
+    return tuple(sorted(p for p in points if 1 <= p < num_layers))
+
+
+def exits_at(confidence: float, threshold: float) -> bool:
+    """The exit rule. A threshold of 1.0 or more means never (a probability can reach 1.0)."""
+    return threshold < 1.0 and confidence >= threshold
+
+
+@dataclass(frozen=True, slots=True)
+class ExitPolicy:
+    """Where to look and when to leave.
+
+    `layers` are exit points counted in layers executed (1..L-1, increasing);
+    `thresholds[i]` applies at `layers[i]` (>= 1.0: never exit there);
+    `gates[i]`, for SOFTMAX and MARGIN, is the saturation pre-check: the LM
+    head is computed at `layers[i]` only when saturation >= gates[i].
+    """
+
+    layers: tuple[int, ...]
+    thresholds: tuple[float, ...]
+    measure: Measure = Measure.SOFTMAX
+    gates: tuple[float, ...] | None = None
+    source: str = "default"  # "calibrated" | "threshold" | "default"
+
+    def __post_init__(self) -> None:
+        if len(self.thresholds) != len(self.layers):
+            raise ValueError("one threshold per exit layer")
+        if self.gates is not None and len(self.gates) != len(self.layers):
+            raise ValueError("one gate per exit layer")
+        if list(self.layers) != sorted(set(self.layers)) or (self.layers and self.layers[0] < 1):
+            raise ValueError(f"exit layers must be increasing and >= 1, got {self.layers}")
+
+    @classmethod
+    def uniform(
+        cls,
+        layers: tuple[int, ...],
+        threshold: float,
+        measure: Measure = Measure.SOFTMAX,
+        source: str = "threshold",
+    ) -> ExitPolicy:
+        return cls(layers, (threshold,) * len(layers), measure, None, source)
+
+    @property
+    def active(self) -> bool:
+        return any(t < 1.0 for t in self.thresholds)
 
 
 # -- where and under which name -------------------------------------------------
-
-
-def cache_root() -> Path:
-    env = os.environ.get("SPECCHAT_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "specchat"
 
 
 _STATE_HASHES: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
@@ -84,7 +146,7 @@ def weights_key(target: LoadedModel) -> str:
 
 
 def calibration_path(key: str, cache_dir: Path | None = None) -> Path:
-    return (cache_dir or cache_root()) / "calibration" / f"{key}.json"
+    return calibration_dir(cache_dir) / f"{key}.json"
 
 
 # -- thresholds from records ------------------------------------------------------
@@ -390,126 +452,13 @@ def load_calibration(target: LoadedModel, cache_dir: Path | None = None) -> Cali
     return cal
 
 
-# -- collecting records -------------------------------------------------------------
-
-
-def render(tokenizer: Any, messages: Chat) -> list[int]:
-    """Token ids of a chat ready for the assistant's reply (as ChatSession.render does)."""
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(
-            [dict(m) for m in messages], add_generation_prompt=True, tokenize=False
-        )
-        ids: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
-        return ids
-    plain: list[int] = tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
-    return plain
-
-
-def read_prompts(path: Path) -> list[tuple[str, list[dict[str, str]]]]:
-    """(id, messages) from a JSONL file of {"id", "kind", "messages"}."""
-    out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        out.append((str(row.get("id", n)), list(row["messages"])))
-    return out
-
-
-@torch.inference_mode()
-def collect(
-    target: LoadedModel,
-    chats: Sequence[Chat],
-    *,
-    layers: Sequence[int] | None = None,
-    new_tokens: int = 32,
-    measure: Measure = Measure.SOFTMAX,
-    budget: float = 0.95,
-    progress: Callable[[LoadProgress], None] | None = None,
-    chunk: int = 64,
-) -> Calibration:
-    """Run the full target over the chats (plus greedy continuations) and record every exit layer."""
-    from .session import eos_ids
-
-    stack = LayerStack(target.model)
-    big_l = stack.num_layers
-    exit_layers = tuple(sorted(set(layers or default_exit_layers(big_l))))
-    if not exit_layers or exit_layers[0] < 1 or exit_layers[-1] >= big_l:
-        raise ValueError(f"exit layers must be in 1..{big_l - 1}, got {exit_layers}")
-    eos = eos_ids(target)
-    cols: dict[int, dict[str, list[np.ndarray]]] = {
-        e: {"softmax": [], "margin": [], "saturation": [], "agree": []} for e in exit_layers
-    }
-    reply: list[np.ndarray] = []
-    report = progress or (lambda _e: None)
-    for n, chat in enumerate(chats):
-        report(LoadProgress("calibrate", n, len(chats)))
-        prompt = render(target.tokenizer, chat)
-        seq = list(prompt)
-        runner = ModelRunner(target.model, target.device)
-        runner.prefill(seq)
-        for _ in range(new_tokens):
-            tok = int(torch.argmax(runner.forward(seq)[-1]))
-            seq.append(tok)
-            if tok in eos:
-                break
-        ids = torch.tensor(seq, dtype=torch.long, device=target.device).view(1, -1)
-        out = target.model(input_ids=ids, output_hidden_states=True, use_cache=False)
-        hidden = out.hidden_states  # L+1 entries [1, S, H]; [e] = after e layers
-        final = torch.argmax(out.logits[0], dim=-1)  # [S]
-        prev = hidden[0][0]  # [S, H] embeddings
-        for e in exit_layers:
-            h = hidden[e][0]  # [S, H]
-            sat = torch.nn.functional.cosine_similarity(h.float(), prev.float(), dim=-1)  # [S]
-            prev = h
-            for s in range(0, h.shape[0], chunk):
-                probs = torch.softmax(stack.logits(h[s : s + chunk]).float(), dim=-1)  # [c, V]
-                top = torch.topk(probs, 2, dim=-1)
-                col = cols[e]
-                col["softmax"].append(top.values[:, 0].cpu().numpy())
-                col["margin"].append((top.values[:, 0] - top.values[:, 1]).cpu().numpy())
-                col["agree"].append((top.indices[:, 0] == final[s : s + chunk]).cpu().numpy())
-            cols[e]["saturation"].append(sat.cpu().numpy())
-        reply.append(np.arange(len(seq)) >= len(prompt) - 1)
-    report(LoadProgress("calibrate", len(chats), len(chats)))
-    n_layer, n_head, n_fill = stack.layer_params()
-    records = {
-        e: LayerRecords(
-            softmax=np.concatenate(c["softmax"]).astype(np.float64),
-            margin=np.concatenate(c["margin"]).astype(np.float64),
-            saturation=np.concatenate(c["saturation"]).astype(np.float64),
-            agree=np.concatenate(c["agree"]).astype(bool),
-        )
-        for e, c in cols.items()
-    }
-    return Calibration(
-        model=target.info.name,
-        weights=weights_key(target),
-        num_layers=big_l,
-        layers=exit_layers,
-        records=records,
-        reply=np.concatenate(reply) if reply else np.zeros(0, dtype=bool),
-        head_cost=n_head / n_layer,
-        fill_cost=n_fill / n_layer,
-        measure=measure,
-        budget=budget,
-        meta={
-            "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-            "chats": len(chats),
-            "new_tokens": new_tokens,
-        },
-    )
-
-
-__all__ = [
-    "Calibration",
-    "CalibrationSummary",
-    "LayerRecords",
-    "cache_root",
-    "collect",
-    "load_calibration",
-    "read_prompts",
-    "render",
-    "select_threshold",
-    "weights_key",
-]
+def policy_for(target: LoadedModel, cfg: DecodeConfig) -> ExitPolicy:
+    """The policy a turn runs with: cfg.exit_threshold (top-1 probability) if given, else
+    the model's calibration at cfg.exit_budget, else DEFAULT_THRESHOLD at every quarter."""
+    cal = load_calibration(target)
+    layers = cal.layers if cal is not None else default_exit_layers(target.num_layers)
+    if cfg.exit_threshold is not None:
+        return ExitPolicy.uniform(layers, cfg.exit_threshold)
+    if cal is not None:
+        return cal.policy(cfg.exit_budget)
+    return ExitPolicy.uniform(layers, DEFAULT_THRESHOLD, source="default")

@@ -30,7 +30,7 @@ from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .config import MAX_K
+from ..config import MAX_K
 
 NAME = "specchat_rowwise_sdpa"
 MAX_ROWWISE = 32  # longer blocks are prompts, not verify blocks

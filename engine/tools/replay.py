@@ -22,7 +22,7 @@ Timestamps are re-based so that a replayed turn starts at the `stream()`
 call; the gaps between them stay as recorded, so statistics computed from a
 replay are the recorded ones whatever the replay speed.
 
-`python -m specchat.engine.replay OUT.jsonl` writes a demo trace.
+`python -m specchat.engine.tools.replay OUT.jsonl` writes a demo trace.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .config import DecodeConfig, Mode
-from .errors import EngineError
-from .events import (
+from ..config import DecodeConfig, Mode
+from ..errors import EngineError
+from ..events import (
     Cancelled,
     Event,
     Failed,
@@ -747,7 +747,7 @@ def synthesize_trace(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m specchat.engine.replay", description="Write a synthetic demo trace."
+        prog="python -m specchat.engine.tools.replay", description="Write a synthetic demo trace."
     )
     p.add_argument("out", help="JSONL file to write")
     p.add_argument("--seed", type=int, default=0)
