@@ -7,7 +7,9 @@ The value lists the F-keys cycle through are here too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from specchat.engine.config import Mode
 
@@ -35,6 +37,67 @@ def next_limit(limit: int) -> int:
 
 
 @dataclass(frozen=True)
+class Setting:
+    """A decode setting the keys and the palette change: `set_decode(name, value)` sets it,
+    `cycle(name)` moves it to the next value of `values`."""
+
+    name: str  # the action's argument
+    field: str  # the DecodeConfig field it sets
+    label: str  # "K", "Temperature", ... as the notice names it
+    values: tuple[Any, ...]  # what the key cycles through; the palette offers each
+    key: str  # the cycling key
+    footer: str  # footer label
+    title: str  # palette title of the cycling action
+    help: str  # palette help of the cycling action
+    describe: Callable[[Any], str]  # palette title of one value
+    explain: Callable[[Any], str]  # palette help of one value
+    show: bool = True  # the cycling key in the footer
+    to_config: Callable[[Any], Any] = lambda v: v  # the action argument -> the field's value
+    to_action: Callable[[Any], Any] = lambda v: v  # the field's value -> the action argument
+    shown: Callable[[Any], str] = str  # the field's value in the notice
+    after: str = ""  # said after the value in the notice
+    step: Callable[[tuple[Any, ...], Any], Any] = next_in  # the next value of the cycle
+
+
+SETTINGS: dict[str, Setting] = {
+    s.name: s
+    for s in (
+        Setting("mode", "mode", "Mode", MODE_CYCLE, "f7", "Mode", "Next decoding mode",
+                "spec → self-spec → early-exit → lookup → plain",
+                lambda m: f"Mode: {m.value}", lambda m: f"Decode the next replies in {m.value} mode",
+                to_config=Mode, to_action=lambda m: m.value, shown=lambda m: m.value,
+                after=" (from the next reply)"),
+        Setting("k", "k", "K", K_CYCLE, "f8", "K", "Next K",
+                "Draft tokens per round: auto, 1, 2, 3, 4, 6, 8",
+                lambda k: f"K: {'auto' if k is None else k}",
+                lambda k: "Let the controller choose K" if k is None else f"Draft {k} tokens per round",
+                to_config=lambda k: int(k) or None, to_action=lambda k: k or 0,
+                shown=lambda k: "auto" if k is None else str(k)),
+        Setting("temperature", "temperature", "Temperature", TEMPERATURE_CYCLE, "f9", "Temp",
+                "Next temperature", "0 (greedy), 0.3, 0.7, 1.0",
+                lambda t: f"Temperature: {t:g}",
+                lambda t: "Greedy decoding" if t == 0 else f"Sample at temperature {t:g}",
+                to_config=float, shown=lambda t: f"{t:g}"),
+        Setting("top_p", "top_p", "Top-p", TOP_P_CYCLE, "shift+f9", "top-p", "Next top-p",
+                "1.0 (off), 0.95, 0.9, 0.8", lambda p: f"Top-p: {p:g}",
+                lambda p: "Nucleus sampling off" if p == 1 else f"Keep the top {p:g} of the mass",
+                show=False, to_config=float, shown=lambda p: f"{p:g}"),
+        Setting("budget", "exit_budget", "Early-exit budget", BUDGET_CYCLE, "shift+f5", "Budget",
+                "Next early-exit budget", "Top-1 agreement kept by early exit: 0.99, 0.95, 0.9, 0.8",
+                lambda b: f"Early-exit budget: {b:g}",
+                lambda b: f"Keep {b:.0%} top-1 agreement with the full target",
+                show=False, to_config=float, shown=lambda b: f"{b:g}"),
+        Setting("limit", "max_new_tokens", "Reply limit", LIMIT_CYCLE, LIMIT_KEY, "Limit",
+                "Next reply limit", "Most tokens in one reply: 256, 512, 1024, 2048, 4096, 8192",
+                lambda n: f"Reply limit: {n} tokens",
+                lambda n: f"Stop a reply after {n} tokens; {CONTINUE_KEY} continues a cut reply",
+                show=False, to_config=int, shown=lambda n: f"{n} tokens",
+                step=lambda _cycle, n: next_limit(n)),
+    )
+}
+
+
+@dataclass(frozen=True)
 class Action:
     key: str  # "" for palette-only actions
     action: str  # Textual action string, run on the app
@@ -42,6 +105,11 @@ class Action:
     title: str  # palette title
     help: str  # palette help line
     show: bool = True  # in the footer
+
+
+def _cycling(name: str) -> Action:
+    s = SETTINGS[name]
+    return Action(s.key, f"cycle({name!r})", s.footer, s.title, s.help, show=s.show)
 
 
 ACTIONS: tuple[Action, ...] = (
@@ -63,34 +131,14 @@ ACTIONS: tuple[Action, ...] = (
            "CPU per core, process CPU and memory, GPU, where each model runs, weight and KV bytes"),
     Action("f5", "toggle_panel('early-exit')", "Exit", "Toggle the early-exit panel",
            "Exit rate, exit layers, layers run per token, budget against realised agreement"),
-    Action("f7", "cycle_mode", "Mode", "Next decoding mode", "spec → self-spec → early-exit → lookup → plain"),
-    Action("f8", "cycle_k", "K", "Next K", "Draft tokens per round: auto, 1, 2, 3, 4, 6, 8"),
-    Action("f9", "cycle_temperature", "Temp", "Next temperature", "0 (greedy), 0.3, 0.7, 1.0"),
-    Action("shift+f9", "cycle_top_p", "top-p", "Next top-p", "1.0 (off), 0.95, 0.9, 0.8", show=False),
-    Action("shift+f5", "cycle_budget", "Budget", "Next early-exit budget",
-           "Top-1 agreement kept by early exit: 0.99, 0.95, 0.9, 0.8", show=False),
-    Action(LIMIT_KEY, "cycle_limit", "Limit", "Next reply limit",
-           "Most tokens in one reply: 256, 512, 1024, 2048, 4096, 8192", show=False),
+    *(_cycling(name) for name in ("mode", "k", "temperature", "top_p", "budget", "limit")),
     Action("ctrl+g", "plain_toggle", "Plain", "Roll back to plain decoding",
            "Switch to plain decoding now; again to return to the previous mode"),
     Action("f1", "help", "Help", "Help", "Keys, provenance styles, long replies, A/B and settings file"),
 )
 
 PALETTE_ONLY: tuple[Action, ...] = (
-    *(Action("", f"set_mode('{m.value}')", "", f"Mode: {m.value}", f"Decode the next replies in {m.value} mode")
-      for m in MODE_CYCLE),
-    *(Action("", f"set_k({k if k is not None else 0})", "", f"K: {'auto' if k is None else k}",
-             "Let the controller choose K" if k is None else f"Draft {k} tokens per round")
-      for k in K_CYCLE),
-    *(Action("", f"set_temperature({t})", "", f"Temperature: {t:g}",
-             "Greedy decoding" if t == 0 else f"Sample at temperature {t:g}")
-      for t in TEMPERATURE_CYCLE),
-    *(Action("", f"set_top_p({p})", "", f"Top-p: {p:g}", "Nucleus sampling off" if p == 1 else f"Keep the top {p:g} of the mass")
-      for p in TOP_P_CYCLE),
-    *(Action("", f"set_budget({b})", "", f"Early-exit budget: {b:g}", f"Keep {b:.0%} top-1 agreement with the full target")
-      for b in BUDGET_CYCLE),
-    *(Action("", f"set_limit({n})", "", f"Reply limit: {n} tokens",
-             f"Stop a reply after {n} tokens; {CONTINUE_KEY} continues a cut reply")
-      for n in LIMIT_CYCLE),
+    *(Action("", f"set_decode({s.name!r}, {s.to_action(v)!r})", "", s.describe(v), s.explain(v))
+      for s in SETTINGS.values() for v in s.values),
     Action("", "settings_path", "", "Settings file", "Show where settings are saved"),
 )

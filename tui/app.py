@@ -640,55 +640,26 @@ class SpecChatApp(App[None]):
     def _refresh_decode(self) -> None:
         self.query_one(StatusLine).decode = describe_decode(self.state.decode)
 
-    def action_set_mode(self, mode: str) -> None:
-        self._set_decode(mode=Mode(mode))
-        self.notify(f"Mode: {mode} (from the next reply)")
+    def action_set_decode(self, name: str, value: object) -> None:
+        """Set one decode setting of `actions.SETTINGS` (the palette's entries)."""
+        setting = actions.SETTINGS[name]
+        self._set_decode(**{setting.field: setting.to_config(value)})
+        shown = setting.shown(getattr(self.state.decode, setting.field))
+        self.notify(f"{setting.label}: {shown}{setting.after}")
 
-    def action_cycle_mode(self) -> None:
-        self.action_set_mode(actions.next_in(actions.MODE_CYCLE, self.state.decode.mode).value)  # type: ignore[attr-defined]
+    def action_cycle(self, name: str) -> None:
+        """Move one decode setting to the next value of its cycle (its F-key)."""
+        setting = actions.SETTINGS[name]
+        value = setting.step(setting.values, getattr(self.state.decode, setting.field))
+        self.action_set_decode(name, setting.to_action(value))
 
     def action_plain_toggle(self) -> None:
         mode = self.state.decode.mode
         if mode is Mode.PLAIN:
-            self.action_set_mode(self._mode_before_plain.value)
+            self.action_set_decode("mode", self._mode_before_plain.value)
         else:
             self._mode_before_plain = mode
-            self.action_set_mode(Mode.PLAIN.value)
-
-    def action_set_k(self, k: int) -> None:
-        self._set_decode(k=k or None)
-        self.notify(f"K: {k or 'auto'}")
-
-    def action_cycle_k(self) -> None:
-        self.action_set_k(actions.next_in(actions.K_CYCLE, self.state.decode.k) or 0)  # type: ignore[arg-type]
-
-    def action_set_temperature(self, t: float) -> None:
-        self._set_decode(temperature=float(t))
-        self.notify(f"Temperature: {t:g}")
-
-    def action_cycle_temperature(self) -> None:
-        self.action_set_temperature(actions.next_in(actions.TEMPERATURE_CYCLE, self.state.decode.temperature))  # type: ignore[arg-type]
-
-    def action_set_top_p(self, p: float) -> None:
-        self._set_decode(top_p=float(p))
-        self.notify(f"Top-p: {p:g}")
-
-    def action_cycle_top_p(self) -> None:
-        self.action_set_top_p(actions.next_in(actions.TOP_P_CYCLE, self.state.decode.top_p))  # type: ignore[arg-type]
-
-    def action_set_budget(self, b: float) -> None:
-        self._set_decode(exit_budget=float(b))
-        self.notify(f"Early-exit budget: {b:g}")
-
-    def action_cycle_budget(self) -> None:
-        self.action_set_budget(actions.next_in(actions.BUDGET_CYCLE, self.state.decode.exit_budget))  # type: ignore[arg-type]
-
-    def action_set_limit(self, n: int) -> None:
-        self._set_decode(max_new_tokens=int(n))
-        self.notify(f"Reply limit: {self.state.decode.max_new_tokens} tokens")
-
-    def action_cycle_limit(self) -> None:
-        self.action_set_limit(actions.next_limit(self.state.decode.max_new_tokens))
+            self.action_set_decode("mode", Mode.PLAIN.value)
 
     # -- palette ---------------------------------------------------------
 

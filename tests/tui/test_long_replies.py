@@ -128,7 +128,7 @@ async def test_a_cut_reply_says_so_and_ctrl_o_continues_it_in_place() -> None:
         assert status_line(reply) == "✂ cut at the reply limit of 12 tokens · ctrl+o continues"
 
         # a higher limit, then ctrl+o: the reply runs to its end and the notice goes
-        await app.run_action("set_limit(256)")
+        await app.run_action("set_decode('limit', 256)")
         await pilot.pause()
         await pilot.press("ctrl+o")
         await wait_until(pilot, lambda: app._busy is None and reply.finished)

@@ -70,7 +70,7 @@ def test_stories260k_is_local_and_overridable(
     preset = registry.get("stories260k")
     assert preset.is_local and preset.download_size == 0
     monkeypatch.delenv("SPECCHAT_STORIES260K", raising=False)
-    project_root = Path(registry.__file__).resolve().parents[1]
+    project_root = Path(registry.__file__).resolve().parents[2]  # engine/weights/registry.py
     expected = (project_root.parent / "shared" / "models" / "stories260k").resolve()
     assert preset.local_folder() == expected
     monkeypatch.setenv("SPECCHAT_STORIES260K", str(tmp_path))
