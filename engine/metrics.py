@@ -93,6 +93,42 @@ def expected_speedup(alpha: float, k: int, c: float, v: float = 1.0) -> float:
     return expected_tokens(alpha, k) / (k * c + v)
 
 
+
+def count_round(reached: Counter[int], passed: Counter[int], k: int, accepted: int) -> None:
+    """Add one speculative round of k drafts, `accepted` of them accepted, to the
+    per-position tallies: position i is reached when drafts 1..i-1 were accepted."""
+    for i in range(1, min(k, accepted + 1) + 1):
+        reached[i] += 1
+        if accepted >= i:
+            passed[i] += 1
+
+
+def by_position(reached: Counter[int], passed: Counter[int]) -> list[float | None]:
+    """Index i: acceptance at draft position i + 1, given the earlier drafts were accepted."""
+    if not reached:
+        return []
+    return [passed[i] / reached[i] if reached[i] else None for i in range(1, max(reached) + 1)]
+
+
+def acceptance_by_position(rounds: Iterable[tuple[int, int]]) -> list[float | None]:
+    """`by_position` over (k, accepted) rounds."""
+    reached: Counter[int] = Counter()
+    passed: Counter[int] = Counter()
+    for k, accepted in rounds:
+        count_round(reached, passed, k, accepted)
+    return by_position(reached, passed)
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing token id; the shorter length if one reply is a
+    prefix of the other and the lengths differ; None if identical."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return None if len(a) == len(b) else n
+
+
 @dataclass(frozen=True, slots=True)
 class RoundTiming:
     """What the metrics keep of one round."""
@@ -236,10 +272,7 @@ class DecodeMetrics:
             self.accepted += accepted
             self.spec_tokens += n if n else accepted + 1
             self._accepted_lengths[accepted] += 1
-            for i in range(1, min(ev.k, accepted + 1) + 1):
-                self._reached[i] += 1
-                if accepted >= i:
-                    self._passed[i] += 1
+            count_round(self._reached, self._passed, ev.k, accepted)
         if ev.mode is Mode.EARLY_EXIT:
             self.exit_mode_tokens += n
         self.round_timings.append(
@@ -277,13 +310,7 @@ class DecodeMetrics:
 
     def acceptance_by_position(self) -> list[float | None]:
         """Index i: acceptance at draft position i + 1, given the earlier drafts were accepted."""
-        if not self._reached:
-            return []
-        top = max(self._reached)
-        return [
-            (self._passed[i] / self._reached[i]) if self._reached[i] else None
-            for i in range(1, top + 1)
-        ]
+        return by_position(self._reached, self._passed)
 
     def accepted_length_histogram(self) -> list[int]:
         """Index n: speculative rounds in which exactly n drafts were accepted."""

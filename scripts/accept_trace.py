@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 from specchat.engine.config import DecodeConfig, Mode, ModelSpec, QuantMode
-from specchat.engine.decode.controller import Controller, Costs
+from specchat.engine.decode.controller import Controller
+from specchat.engine.decode.costs import Costs
 
 
 def record(args: argparse.Namespace) -> None:

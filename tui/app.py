@@ -73,7 +73,7 @@ from .messages import (
 )
 from .panels import PANEL_TYPES, Panel
 from .settings import Settings, SettingsStore, decode_to_toml
-from .state import ABResult, ChatState
+from .state import ChatState, ReplyComparison
 from .widgets.help import HelpScreen
 from .widgets.inspector import Inspector
 from .widgets.legend import Legend
@@ -548,7 +548,7 @@ class SpecChatApp(App[None]):
 
     def _finish_ab(self, a: ReplyView, b: ReplyView) -> None:
         a_out, b_out = a.outcome, b.outcome
-        result = ABResult.compare(
+        result = ReplyComparison.compare(
             a.tokens,
             b.tokens,
             a_mode=a.started.mode if a.started else Mode.SPEC,

@@ -7,20 +7,13 @@ from dataclasses import dataclass, field
 
 from specchat.engine.config import DecodeConfig, Mode
 from specchat.engine.events import Ready, SystemSample, TokenEvent
-from specchat.engine.metrics import DecodeMetrics
-
-
-def first_divergence(a: Sequence[TokenEvent], b: Sequence[TokenEvent]) -> int | None:
-    """Index of the first token where two replies differ (one ending counts); None if identical."""
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x.token_id != y.token_id:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+from specchat.engine.metrics import DecodeMetrics, first_divergence
 
 
 @dataclass(frozen=True)
-class ABResult:
-    """Reply A (as decoded) against reply B (plain decoding of the same prompt)."""
+class ReplyComparison:
+    """The chat's A/B (ctrl+r): reply A as decoded against reply B, plain decoding of the
+    same prompt (`specchat ab` compares whole prompt sets: engine/tools/ab.py)."""
 
     a_mode: Mode
     a_tokens: int
@@ -57,8 +50,8 @@ class ABResult:
         a_mode: Mode,
         a_tokens_per_s: float | None,
         b_tokens_per_s: float | None,
-    ) -> ABResult:
-        at = first_divergence(a, b)
+    ) -> ReplyComparison:
+        at = first_divergence([t.token_id for t in a], [t.token_id for t in b])
         a_piece = a[at].text if at is not None and at < len(a) else ""
         b_piece = b[at].text if at is not None and at < len(b) else ""
         return cls(a_mode, len(a), len(b), at, a_piece, b_piece, a_tokens_per_s, b_tokens_per_s)
@@ -70,5 +63,5 @@ class ChatState:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     ready: Ready | None = None
     sample: SystemSample | None = None
-    ab: ABResult | None = None
+    ab: ReplyComparison | None = None
     context_tokens: int = 0  # tokens in the KV cache: prompt so far plus the reply streaming

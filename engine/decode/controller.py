@@ -21,38 +21,9 @@ acceptance traces of the default pair (docs/performance.md, step 15).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from ..config import DecodeConfig, Mode
 from ..metrics import expected_speedup
-
-
-@dataclass(slots=True)
-class Costs:
-    """Measured step costs in milliseconds (exponential moving averages)."""
-
-    target_step_ms: float | None = None  # one plain target step
-    draft_step_ms: float | None = None  # one draft step
-    verify_slope: float = 0.05  # v(K) = 1 + slope·K, fitted from verify passes
-    # v(K) measured at these K. On a CPU v is not linear in K (a 2-token pass can
-    # cost 1.1 steps and a 5-token one 2), so measured points beat the slope.
-    verify_at: dict[int, float] = field(default_factory=dict)
-
-    def ratio(self) -> float | None:
-        if self.target_step_ms and self.draft_step_ms is not None:
-            return self.draft_step_ms / self.target_step_ms
-        return None
-
-    def verify_ratio(self, k: int) -> float:
-        """v(K): measured, else interpolated between measured K (v(0) = 1), else the slope."""
-        if k in self.verify_at:
-            return self.verify_at[k]
-        below = max((j for j in self.verify_at if j < k), default=0)
-        above = min((j for j in self.verify_at if j > k), default=None)
-        v_below = self.verify_at.get(below, 1.0)
-        if above is None:
-            return v_below + self.verify_slope * (k - below)
-        return v_below + (self.verify_at[above] - v_below) * (k - below) / (above - below)
+from .costs import Costs
 
 
 def _ema(old: float | None, new: float, w: float = 0.3) -> float:

@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +35,8 @@ from ..events import (
 from ..model.runner import ModelRunner
 from ..weights.loading import LoadedModel, check_tokenizers_match, load_model, set_threads
 from .compose import ComposedDrafter
-from .controller import Controller, Costs
+from .controller import Controller
+from .costs import Costs, measure_costs
 from .early_exit import EarlyExitStepper, SelfSpecDrafter
 from .exit_policy import policy_for
 from .lookup import LookupDrafter
@@ -185,46 +186,13 @@ class ChatSession:
         )
 
     def measure_costs(self, k: int = 4, repeats: int = 3) -> Costs:
-        """Time one target step, one verify pass of k+1 tokens and one draft step."""
+        """Time one target step, verify passes and one draft step (decode/costs.py); the
+        session stays as new (its first turn prefills everything)."""
         if self.drafter is None or self.draft is None:
             return self.costs
-        seq = [int(i) % 64 + 3 for i in range(24)]
-        draft_runner = ModelRunner(self.draft.model, self.draft.device)
-
-        def timer(runner: ModelRunner) -> Callable[[int], float]:
-            """Median ms of passes over n new tokens after seq[:-1], prefilled once."""
-            runner.reset()
-            runner.prefill(seq)  # caches seq[:-1]
-            base = runner.cached
-
-            def timed(n_new: int) -> float:
-                runner.crop_to(base)
-                start = time.perf_counter()
-                runner.feed(seq[-1:] * n_new, keep=n_new)
-                if runner.device.type == "cuda":
-                    torch.cuda.synchronize(runner.device)
-                return (time.perf_counter() - start) * 1e3
-
-            def median(n_new: int) -> float:
-                timed(n_new)  # warm-up
-                values = sorted(timed(n_new) for _ in range(repeats))
-                return values[len(values) // 2]
-
-            return median
-
-        target = timer(self.target_runner)
-        step = target(1)
-        verify = target(k + 1)
-        verify_one = target(2)  # K=1: on a CPU often the best K
-        draft_step = timer(draft_runner)(1)
-        self.target_runner.reset()
+        scratch = ModelRunner(self.draft.model, self.draft.device)
+        self.costs = measure_costs(self.target_runner, scratch, k, repeats)
         self.tokens = []
-        self.costs = Costs(
-            target_step_ms=step,
-            draft_step_ms=draft_step,
-            verify_slope=max(0.0, (verify / step - 1.0) / k),
-            verify_at={1: verify_one / step, k: verify / step},
-        )
         self.ready = self._make_ready()
         return self.costs
 
@@ -251,10 +219,14 @@ class ChatSession:
     def messages(self) -> tuple[tuple[str, str], ...]:
         return tuple(self._messages)
 
-    def reset(self, history: Iterable[tuple[str, str]] = ()) -> None:
+    def reset(
+        self, history: Iterable[tuple[str, str]] = (), *, drop_caches: bool = False
+    ) -> None:
         """A new conversation, from earlier turns if given ((role, text), role user or assistant).
 
-        The caches stay: the next turn reuses their common prefix.
+        The caches stay, so the next turn reuses their common prefix, unless
+        `drop_caches`: then the next turn prefills the whole conversation (a
+        benchmark's cold start, whatever the previous run left behind).
         """
         turns = list(history)
         bad = [role for role, _ in turns if role not in ("user", "assistant")]
@@ -263,6 +235,16 @@ class ChatSession:
         self._messages[:] = turns
         self._window = 0
         self._cut = False
+        if drop_caches:
+            self._drop_caches()
+
+    def _drop_caches(self) -> None:
+        self.tokens = []
+        self._approx_from = None
+        self.target_runner.reset()
+        for d in (self.drafter, self._self_drafter, self._composed, self._lookup_drafter):
+            if d is not None:
+                d.reset()
 
     @property
     def can_continue(self) -> bool:
@@ -407,12 +389,7 @@ class ChatSession:
         del self._messages[keep:]
         self._window = min(self._window, max(0, len(self._messages) - 1))
         self._cut = False
-        self.tokens = []
-        self._approx_from = None
-        self.target_runner.reset()
-        for d in (self.drafter, self._self_drafter, self._composed):
-            if d is not None:
-                d.reset()
+        self._drop_caches()
 
     def _start(self, ids: list[int], lossless: bool) -> int:
         """Bring every cache to the longest prefix of ids it holds; returns that length.
@@ -435,6 +412,20 @@ class ChatSession:
     def _decode(
         self, cfg: DecodeConfig, cancel: threading.Event | None, t_start: float, continuing: bool
     ) -> Iterator[Event]:
+        """One reply: set up the turn, then rounds until a stop, then the reply's record."""
+        turn = yield from self._begin(cfg, continuing)
+        stop_reason = None
+        while stop_reason is None:
+            stop_reason = self._stop_before_round(turn, cancel)
+            if stop_reason is not None:
+                break
+            res, round_mode, reason = self._round(turn)
+            stop_reason = yield from self._emit(turn, res)
+            yield self._round_event(turn, res, round_mode, reason)
+        yield from self._finish(turn, stop_reason, t_start)
+
+    def _begin(self, cfg: DecodeConfig, continuing: bool) -> Generator[Event, None, _Turn]:
+        """Fit the conversation, choose the drafter, bring the caches to it: a new _Turn."""
         earlier = ""  # the part of a continued reply decoded before
         notes: list[str] = []
         if continuing:
@@ -449,9 +440,9 @@ class ChatSession:
         if why_not:
             yield Notice(why_not, "warning")
         run_mode = cfg.mode if drafter is not None or cfg.mode is Mode.EARLY_EXIT else Mode.PLAIN
-        early_exit_step = None
+        early_exit = None
         if run_mode is Mode.EARLY_EXIT:
-            early_exit_step = EarlyExitStepper(self.target_runner, policy_for(self.target, cfg))
+            early_exit = EarlyExitStepper(self.target_runner, policy_for(self.target, cfg))
 
         # Reuse the cached prefix; prefill the rest (all but the last token).
         reuse = self._start(ids, lossless=run_mode is not Mode.EARLY_EXIT)
@@ -461,128 +452,148 @@ class ChatSession:
             drafter.runner.prefill(ids)
         prefill_ms = (time.perf_counter() - t0) * 1e3
         self.turn += 1
-        self.tokens = seq = list(ids)
+        self.tokens = list(ids)
         yield TurnStarted(self.turn, len(ids), len(ids) - reuse, run_mode, prefill_ms)
 
         generator = torch.Generator(device=self.target.device)
         generator.manual_seed(
             cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(4), "little")
         )
-        controller = Controller(cfg, self._costs_for(run_mode))
         composed = drafter if isinstance(drafter, ComposedDrafter) else None
-        copier = Controller(cfg, self._costs_for(Mode.LOOKUP)) if composed is not None else None
-        decoder = IncrementalDecoder(
-            self.tokenizer, context=ids, unfinished=self._unfinished if continuing else 0
+        return _Turn(
+            cfg=cfg,
+            run_mode=run_mode,
+            drafter=drafter,
+            composed=composed,
+            early_exit=early_exit,
+            controller=Controller(cfg, self._costs_for(run_mode)),
+            copier=Controller(cfg, self._costs_for(Mode.LOOKUP)) if composed else None,
+            seq=self.tokens,
+            earlier=earlier,
+            continuing=continuing,
+            decoder=IncrementalDecoder(
+                self.tokenizer, context=ids, unfinished=self._unfinished if continuing else 0
+            ),
+            reply=ReplyFilter(cfg.stop),
+            generator=generator,
         )
-        reply: ReplyFilter[TokenEvent] = ReplyFilter(cfg.stop)
-        tally = _Tally()
-        stop_reason = "max_tokens"
-        speculative = run_mode in SPECULATIVE_MODES
 
-        while stop_reason == "max_tokens":
-            if cancel is not None and cancel.is_set():
-                stop_reason = "cancelled"
-                break
-            remaining = cfg.max_new_tokens - tally.generated
-            room = self.context_length - len(seq)
-            if remaining <= 0:
-                break
-            if room <= 0:
-                stop_reason = "context"
-                break
+    def _stop_before_round(self, turn: _Turn, cancel: threading.Event | None) -> str | None:
+        """Why the reply ends before another round ("cancelled", "max_tokens", "context"), or None."""
+        if cancel is not None and cancel.is_set():
+            return "cancelled"
+        if turn.cfg.max_new_tokens - turn.tally.generated <= 0:
+            return "max_tokens"
+        if self.context_length - len(turn.seq) <= 0:
+            return "context"
+        return None
 
-            # Spec composed with lookup: a copy, where there is one, is priced by a
-            # controller of its own (its drafts cost nothing and run long); the draft
-            # model's rounds by the turn's controller.
-            ctl, round_drafter = controller, drafter
-            if composed is not None:
-                round_drafter = composed.model
-                if copier is not None and copier.mode is Mode.SPEC and composed.copies(seq):
-                    ctl, round_drafter = copier, composed
-            if speculative:
-                mode, k = ctl.next()
-                k = min(k, remaining - 1, room - 1)
-            else:
-                mode, k = run_mode, 0
-            reason = ctl.take_reason()
+    def _round(self, turn: _Turn) -> tuple[RoundResult, Mode, str | None]:
+        """One round of the turn's mode: (its result, the mode it ran in, the controller's reason)."""
+        seq, cfg = turn.seq, turn.cfg
+        # Spec composed with lookup: a copy, where there is one, is priced by a
+        # controller of its own (its drafts cost nothing and run long); the draft
+        # model's rounds by the turn's controller.
+        ctl, drafter = turn.controller, turn.drafter
+        if turn.composed is not None:
+            drafter = turn.composed.model
+            if turn.copier is not None and turn.copier.mode is Mode.SPEC and turn.composed.copies(seq):
+                ctl, drafter = turn.copier, turn.composed
+        if turn.speculative:
+            mode, k = ctl.next()
+            remaining = cfg.max_new_tokens - turn.tally.generated
+            k = min(k, remaining - 1, self.context_length - len(seq) - 1)
+        else:
+            mode, k = turn.run_mode, 0
+        reason = ctl.take_reason()
 
-            res: RoundResult
-            if mode is not Mode.PLAIN and k >= 1 and round_drafter is not None:
-                res = speculative_round(self.target_runner, round_drafter, seq, k, cfg, generator)
-                if res.k:
-                    ctl.observe_round(res.k, res.accepted, res.draft_ms, res.verify_ms)
-                    round_mode = run_mode
-                else:  # a lookup that found nothing: the round was a plain step
-                    ctl.observe_plain(res.verify_ms)
-                    round_mode = Mode.PLAIN
-            elif early_exit_step is not None:
-                res = early_exit_step.step(seq, cfg, generator)
-                round_mode = Mode.EARLY_EXIT
-            else:
-                res = plain_step(self.target_runner, seq, cfg, generator)
-                if run_mode is not Mode.PLAIN:
-                    ctl.observe_plain(res.verify_ms)
+        res: RoundResult
+        if mode is not Mode.PLAIN and k >= 1 and drafter is not None:
+            res = speculative_round(self.target_runner, drafter, seq, k, cfg, turn.generator)
+            if res.k:
+                ctl.observe_round(res.k, res.accepted, res.draft_ms, res.verify_ms)
+                round_mode = turn.run_mode
+            else:  # a lookup that found nothing: the round was a plain step
+                ctl.observe_plain(res.verify_ms)
                 round_mode = Mode.PLAIN
-            reason = ctl.take_reason() or reason
-            tally.round(res, reason)
+        elif turn.early_exit is not None:
+            res = turn.early_exit.step(seq, cfg, turn.generator)
+            round_mode = Mode.EARLY_EXIT
+        else:
+            res = plain_step(self.target_runner, seq, cfg, turn.generator)
+            if turn.run_mode is not Mode.PLAIN:
+                ctl.observe_plain(res.verify_ms)
+            round_mode = Mode.PLAIN
+        reason = ctl.take_reason() or reason
+        turn.tally.round(res, reason)
+        return res, round_mode, reason
 
-            for i, em in enumerate(res.tokens):
-                if em.exit_layer is not None and self._approx_from is None:
-                    self._approx_from = len(seq) - 1  # this step estimated seq[-1]'s upper K/V
-                seq.append(em.token_id)
-                tally.token(res, i)
-                is_eos = em.token_id in self.eos
-                text = decoder.flush() if is_eos else decoder.add(em.token_id)
-                event = self._token_event(em, text, tally.rounds)
-                released = reply.push(event)
-                if is_eos and not reply.stopped:
-                    released += reply.release()
-                yield from released
-                if released and tally.t_first is None:
-                    tally.t_first = released[0].t
-                if reply.stopped:
-                    stop_reason = "stop_string"
-                    break
-                if is_eos:
-                    stop_reason = "eos"
-                    break
-            yield RoundEvent(
-                round=tally.rounds,
-                mode=round_mode,
-                k=res.k,
-                accepted=res.accepted,
-                draft_ms=res.draft_ms,
-                verify_ms=res.verify_ms,
-                fallback_reason=reason,
-                next_mode=(
-                    (run_mode if controller.mode is Mode.SPEC else Mode.PLAIN)
-                    if speculative
-                    else run_mode
-                ),
-                next_k=controller.k if speculative else None,
-                target_step_ms=controller.costs.target_step_ms if speculative else None,
-                drafter=res.drafter,
-            )
+    def _emit(self, turn: _Turn, res: RoundResult) -> Generator[Event, None, str | None]:
+        """Append the round's tokens and stream their events; "eos" or "stop_string" if one ends
+        the reply (the stop filter holds back text that may begin a stop string)."""
+        seq, tally, reply = turn.seq, turn.tally, turn.reply
+        for i, em in enumerate(res.tokens):
+            if em.exit_layer is not None and self._approx_from is None:
+                self._approx_from = len(seq) - 1  # this step estimated seq[-1]'s upper K/V
+            seq.append(em.token_id)
+            tally.token(res, i)
+            is_eos = em.token_id in self.eos
+            text = turn.decoder.flush() if is_eos else turn.decoder.add(em.token_id)
+            released = reply.push(self._token_event(em, text, tally.rounds))
+            if is_eos and not reply.stopped:
+                released += reply.release()
+            yield from released
+            if released and tally.t_first is None:
+                tally.t_first = released[0].t
+            if reply.stopped:
+                return "stop_string"
+            if is_eos:
+                return "eos"
+        return None
 
+    def _round_event(
+        self, turn: _Turn, res: RoundResult, round_mode: Mode, reason: str | None
+    ) -> RoundEvent:
+        controller = turn.controller
+        speculative = turn.speculative
+        next_mode = turn.run_mode
+        if speculative and controller.mode is not Mode.SPEC:
+            next_mode = Mode.PLAIN
+        return RoundEvent(
+            round=turn.tally.rounds,
+            mode=round_mode,
+            k=res.k,
+            accepted=res.accepted,
+            draft_ms=res.draft_ms,
+            verify_ms=res.verify_ms,
+            fallback_reason=reason,
+            next_mode=next_mode,
+            next_k=controller.k if speculative else None,
+            target_step_ms=controller.costs.target_step_ms if speculative else None,
+            drafter=res.drafter,
+        )
+
+    def _finish(self, turn: _Turn, stop_reason: str, t_start: float) -> Iterator[Event]:
+        """Release held text, record the reply in the conversation, say how the turn ended."""
         # A reply cut inside a multi-byte character ends without it: those bytes are
         # no text yet (a continuation completes them), so the stream and the reply agree.
-        self._unfinished = decoder.unfinished
-        yield from reply.finish()
-        text = earlier + reply.text
-        self.tokens = seq
-        if continuing:
+        self._unfinished = turn.decoder.unfinished
+        yield from turn.reply.finish()
+        text = turn.earlier + turn.reply.text
+        self.tokens = turn.seq
+        if turn.continuing:
             self._messages[-1] = ("assistant", text)
         else:
             self._messages.append(("assistant", text))
         self._cut = stop_reason == "max_tokens"
         if stop_reason == "cancelled":
-            yield Cancelled(tally.generated, text)
+            yield Cancelled(turn.tally.generated, text)
             return
-        optimizations = [run_mode.value]
-        if speculative:
-            optimizations.append(f"K={cfg.k}" if cfg.k is not None else "K=auto")
+        optimizations = [turn.run_mode.value]
+        if turn.speculative:
+            optimizations.append(f"K={turn.cfg.k}" if turn.cfg.k is not None else "K=auto")
         yield TurnFinished(
-            tally.stats(t_start, run_mode, optimizations, stop_reason, text)
+            turn.tally.stats(t_start, turn.run_mode, optimizations, stop_reason, text)
         )
 
     def _token_event(self, em: Emitted, text: str, round_: int) -> TokenEvent:
@@ -602,6 +613,30 @@ class ChatSession:
             ),
             t=time.perf_counter(),
         )
+
+
+@dataclass(slots=True)
+class _Turn:
+    """What one reply decodes with, set up by `_begin`."""
+
+    cfg: DecodeConfig
+    run_mode: Mode  # the mode asked for, or PLAIN where it cannot run
+    drafter: Drafter | None
+    composed: ComposedDrafter | None  # the drafter, when spec composes lookup and the model
+    early_exit: EarlyExitStepper | None
+    controller: Controller  # K and fallback for the turn's drafter
+    copier: Controller | None  # composed spec: prices the rounds that copy the conversation
+    seq: list[int]  # the conversation's tokens, the reply appended as it is decoded
+    earlier: str  # the text of a continued reply decoded before
+    continuing: bool
+    decoder: IncrementalDecoder
+    reply: ReplyFilter[TokenEvent]
+    generator: torch.Generator
+    tally: _Tally = field(default_factory=lambda: _Tally())
+
+    @property
+    def speculative(self) -> bool:
+        return self.run_mode in SPECULATIVE_MODES
 
 
 @dataclass(slots=True)

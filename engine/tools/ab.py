@@ -48,6 +48,7 @@ import torch
 
 from ..config import DecodeConfig, Mode
 from ..events import TokenEvent, TurnFinished
+from ..metrics import first_divergence
 from ..model.invariance import TIES
 from .bench import environment, model_record
 from .bench_runs import (
@@ -82,16 +83,6 @@ def default_tie_threshold(session: ChatSession) -> float:
     if info.quant != "none":
         return QUANTIZED_TIE_THRESHOLD
     return TIE_THRESHOLDS.get(info.dtype, 0.5)
-
-
-def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """Index of the first differing token, len of the shorter one if one is a prefix
-    of the other and lengths differ, None if identical."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return None if len(a) == len(b) else n
 
 
 @dataclass(slots=True)

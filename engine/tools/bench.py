@@ -59,7 +59,7 @@ import torch
 from ..config import DecodeConfig, Mode
 from ..errors import EngineError, OutOfMemoryError
 from ..events import to_dict
-from ..metrics import percentile
+from ..metrics import acceptance_by_position, percentile
 from .bench_runs import (
     BASELINES,
     HF_ASSISTED,
@@ -83,7 +83,6 @@ from .bench_runs import (
     run_session_arm,
 )
 from .bench_stats import (
-    acceptance_by_position,
     interleaved_order,
     median,
     paired_ratios,

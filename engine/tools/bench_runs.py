@@ -367,17 +367,10 @@ class Memory:
 
 
 def fresh_conversation(session: ChatSession, prompt: BenchPrompt, system: str | None) -> None:
-    """A new conversation holding the prompt's earlier turns, with empty caches.
-
-    `session.tokens = []` makes the next turn reuse no cached prefix: it
-    prefills the whole conversation, whatever the previous run left behind.
-    """
-    session.reset(prompt.history)
-    session.tokens = []
-    session.target_runner.reset()
-    if session.drafter is not None:
-        session.drafter.reset()
+    """A new conversation holding the prompt's earlier turns, with empty caches: the next
+    turn prefills the whole conversation, whatever the previous run left behind."""
     session.system_prompt = prompt.system if prompt.system is not None else system
+    session.reset(prompt.history, drop_caches=True)
 
 
 def arm_config(arm: str, cfg: DecodeConfig) -> DecodeConfig:

@@ -62,23 +62,6 @@ def interleaved_order(
     return order
 
 
-def acceptance_by_position(rounds: Iterable[tuple[int, int]]) -> list[float | None]:
-    """Index i: P(draft i+1 accepted | drafts 1..i accepted), from (k, accepted) rounds.
-
-    The same definition as `metrics.DecodeMetrics.acceptance_by_position`.
-    """
-    reached: Counter[int] = Counter()
-    passed: Counter[int] = Counter()
-    for k, acc in rounds:
-        for i in range(1, min(k, acc + 1) + 1):
-            reached[i] += 1
-            if acc >= i:
-                passed[i] += 1
-    if not reached:
-        return []
-    return [passed[i] / reached[i] if reached[i] else None for i in range(1, max(reached) + 1)]
-
-
 # -- two-sample tests (the sampled-decoding check of the A/B protocol) -----------
 
 

@@ -16,8 +16,7 @@ from specchat.engine.config import Mode
 from specchat.engine.decode.session import ChatSession
 from specchat.engine.errors import OutOfMemoryError, QuantizationError
 from specchat.engine.events import Provenance, RoundEvent, TokenEvent
-from specchat.engine.metrics import DecodeMetrics
-from specchat.engine.tools.ab import first_divergence
+from specchat.engine.metrics import DecodeMetrics, acceptance_by_position, first_divergence
 from specchat.engine.tools.bench import (
     BenchConfig,
     BenchPrompt,
@@ -39,7 +38,6 @@ from specchat.engine.tools.bench_runs import (
     parse_config_specs,
 )
 from specchat.engine.tools.bench_stats import (
-    acceptance_by_position,
     chi2_sf,
     chi_square_homogeneity,
     interleaved_order,

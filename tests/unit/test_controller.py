@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from specchat.engine.config import DecodeConfig, Mode
-from specchat.engine.decode.controller import Controller, Costs
+from specchat.engine.decode.controller import Controller
+from specchat.engine.decode.costs import Costs
 
 
 def feed(

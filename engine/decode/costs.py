@@ -1,0 +1,85 @@
+"""What a round costs, in the unit the user reasons in: one plain target step.
+
+`Costs` holds the measured target step, draft step and verify passes (the
+controller keeps learning into it); `measure_costs` times them once at load,
+on scratch tokens, so the first round's K comes from this machine's figures.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..model.runner import ModelRunner
+
+
+@dataclass(slots=True)
+class Costs:
+    """Measured step costs in milliseconds (exponential moving averages)."""
+
+    target_step_ms: float | None = None  # one plain target step
+    draft_step_ms: float | None = None  # one draft step
+    verify_slope: float = 0.05  # v(K) = 1 + slope·K, fitted from verify passes
+    # v(K) measured at these K. On a CPU v is not linear in K (a 2-token pass can
+    # cost 1.1 steps and a 5-token one 2), so measured points beat the slope.
+    verify_at: dict[int, float] = field(default_factory=dict)
+
+    def ratio(self) -> float | None:
+        if self.target_step_ms and self.draft_step_ms is not None:
+            return self.draft_step_ms / self.target_step_ms
+        return None
+
+    def verify_ratio(self, k: int) -> float:
+        """v(K): measured, else interpolated between measured K (v(0) = 1), else the slope."""
+        if k in self.verify_at:
+            return self.verify_at[k]
+        below = max((j for j in self.verify_at if j < k), default=0)
+        above = min((j for j in self.verify_at if j > k), default=None)
+        v_below = self.verify_at.get(below, 1.0)
+        if above is None:
+            return v_below + self.verify_slope * (k - below)
+        return v_below + (self.verify_at[above] - v_below) * (k - below) / (above - below)
+
+
+def measure_costs(target: ModelRunner, draft: ModelRunner, k: int = 4, repeats: int = 3) -> Costs:
+    """Time one target step, verify passes of 2 and k+1 tokens, and one draft step (medians of
+    `repeats` after a warm-up, each model prefilled once). Leaves both caches empty."""
+    seq = [int(i) % 64 + 3 for i in range(24)]
+
+    def timer(runner: ModelRunner) -> Callable[[int], float]:
+        """Median ms of passes over n new tokens after seq[:-1], prefilled once."""
+        runner.reset()
+        runner.prefill(seq)  # caches seq[:-1]
+        base = runner.cached
+
+        def timed(n_new: int) -> float:
+            runner.crop_to(base)
+            start = time.perf_counter()
+            runner.feed(seq[-1:] * n_new, keep=n_new)
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)
+            return (time.perf_counter() - start) * 1e3
+
+        def median(n_new: int) -> float:
+            timed(n_new)  # warm-up
+            values = sorted(timed(n_new) for _ in range(repeats))
+            return values[len(values) // 2]
+
+        return median
+
+    on_target = timer(target)
+    step = on_target(1)
+    verify = on_target(k + 1)
+    verify_one = on_target(2)  # K=1: on a CPU often the best K
+    draft_step = timer(draft)(1)
+    target.reset()
+    draft.reset()
+    return Costs(
+        target_step_ms=step,
+        draft_step_ms=draft_step,
+        verify_slope=max(0.0, (verify / step - 1.0) / k),
+        verify_at={1: verify_one / step, k: verify / step},
+    )
