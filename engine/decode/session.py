@@ -12,12 +12,11 @@ import os
 import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from ..config import SPECULATIVE_MODES, DecodeConfig, Mode, ModelSpec
+from ..config import DecodeConfig, Mode, ModelSpec
 from ..errors import ContextOverflowError, EngineError
 from ..events import (
     Cancelled,
@@ -30,7 +29,6 @@ from ..events import (
     TokenEvent,
     TurnFinished,
     TurnStarted,
-    TurnStats,
 )
 from ..model.runner import ModelRunner
 from ..weights.loading import LoadedModel, check_tokenizers_match, load_model, set_threads
@@ -49,6 +47,7 @@ from .speculative import (
     speculative_round,
 )
 from .text import IncrementalDecoder, ReplyFilter, render_chat
+from .turn import Turn
 
 log = logging.getLogger(__name__)
 
@@ -424,8 +423,8 @@ class ChatSession:
             yield self._round_event(turn, res, round_mode, reason)
         yield from self._finish(turn, stop_reason, t_start)
 
-    def _begin(self, cfg: DecodeConfig, continuing: bool) -> Generator[Event, None, _Turn]:
-        """Fit the conversation, choose the drafter, bring the caches to it: a new _Turn."""
+    def _begin(self, cfg: DecodeConfig, continuing: bool) -> Generator[Event, None, Turn]:
+        """Fit the conversation, choose the drafter, bring the caches to it: a new Turn."""
         earlier = ""  # the part of a continued reply decoded before
         notes: list[str] = []
         if continuing:
@@ -460,7 +459,7 @@ class ChatSession:
             cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(4), "little")
         )
         composed = drafter if isinstance(drafter, ComposedDrafter) else None
-        return _Turn(
+        return Turn(
             cfg=cfg,
             run_mode=run_mode,
             drafter=drafter,
@@ -478,7 +477,7 @@ class ChatSession:
             generator=generator,
         )
 
-    def _stop_before_round(self, turn: _Turn, cancel: threading.Event | None) -> str | None:
+    def _stop_before_round(self, turn: Turn, cancel: threading.Event | None) -> str | None:
         """Why the reply ends before another round ("cancelled", "max_tokens", "context"), or None."""
         if cancel is not None and cancel.is_set():
             return "cancelled"
@@ -488,7 +487,7 @@ class ChatSession:
             return "context"
         return None
 
-    def _round(self, turn: _Turn) -> tuple[RoundResult, Mode, str | None]:
+    def _round(self, turn: Turn) -> tuple[RoundResult, Mode, str | None]:
         """One round of the turn's mode: (its result, the mode it ran in, the controller's reason)."""
         seq, cfg = turn.seq, turn.cfg
         # Spec composed with lookup: a copy, where there is one, is priced by a
@@ -528,7 +527,7 @@ class ChatSession:
         turn.tally.round(res, reason)
         return res, round_mode, reason
 
-    def _emit(self, turn: _Turn, res: RoundResult) -> Generator[Event, None, str | None]:
+    def _emit(self, turn: Turn, res: RoundResult) -> Generator[Event, None, str | None]:
         """Append the round's tokens and stream their events; "eos" or "stop_string" if one ends
         the reply (the stop filter holds back text that may begin a stop string)."""
         seq, tally, reply = turn.seq, turn.tally, turn.reply
@@ -552,7 +551,7 @@ class ChatSession:
         return None
 
     def _round_event(
-        self, turn: _Turn, res: RoundResult, round_mode: Mode, reason: str | None
+        self, turn: Turn, res: RoundResult, round_mode: Mode, reason: str | None
     ) -> RoundEvent:
         controller = turn.controller
         speculative = turn.speculative
@@ -573,7 +572,7 @@ class ChatSession:
             drafter=res.drafter,
         )
 
-    def _finish(self, turn: _Turn, stop_reason: str, t_start: float) -> Iterator[Event]:
+    def _finish(self, turn: Turn, stop_reason: str, t_start: float) -> Iterator[Event]:
         """Release held text, record the reply in the conversation, say how the turn ended."""
         # A reply cut inside a multi-byte character ends without it: those bytes are
         # no text yet (a continuation completes them), so the stream and the reply agree.
@@ -612,86 +611,4 @@ class ChatSession:
                 self.tokenizer.decode([em.rejected_id]) if em.rejected_id is not None else None
             ),
             t=time.perf_counter(),
-        )
-
-
-@dataclass(slots=True)
-class _Turn:
-    """What one reply decodes with, set up by `_begin`."""
-
-    cfg: DecodeConfig
-    run_mode: Mode  # the mode asked for, or PLAIN where it cannot run
-    drafter: Drafter | None
-    composed: ComposedDrafter | None  # the drafter, when spec composes lookup and the model
-    early_exit: EarlyExitStepper | None
-    controller: Controller  # K and fallback for the turn's drafter
-    copier: Controller | None  # composed spec: prices the rounds that copy the conversation
-    seq: list[int]  # the conversation's tokens, the reply appended as it is decoded
-    earlier: str  # the text of a continued reply decoded before
-    continuing: bool
-    decoder: IncrementalDecoder
-    reply: ReplyFilter[TokenEvent]
-    generator: torch.Generator
-    tally: _Tally = field(default_factory=lambda: _Tally())
-
-    @property
-    def speculative(self) -> bool:
-        return self.run_mode in SPECULATIVE_MODES
-
-
-@dataclass(slots=True)
-class _Tally:
-    """A reply's counters, turned into TurnStats at its end."""
-
-    generated: int = 0
-    rounds: int = 0
-    spec_rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    early_exits: int = 0
-    layers_total: int = 0
-    layers_known: int = 0
-    t_first: float | None = None
-    fallbacks: list[str] = field(default_factory=list)
-
-    def round(self, res: RoundResult, reason: str | None) -> None:
-        self.rounds += 1
-        if res.k:
-            self.spec_rounds += 1
-            self.drafted += res.k
-            self.accepted += res.accepted
-        if reason:
-            self.fallbacks.append(reason)
-
-    def token(self, res: RoundResult, i: int) -> None:
-        self.generated += 1
-        if res.layers_run:
-            self.layers_total += res.layers_run[i]
-            self.layers_known += 1
-        if res.tokens[i].exit_layer is not None:
-            self.early_exits += 1
-
-    def stats(
-        self, t_start: float, mode: Mode, optimizations: list[str], stop_reason: str, text: str
-    ) -> TurnStats:
-        seconds = time.perf_counter() - t_start
-        return TurnStats(
-            tokens=self.generated,
-            seconds=seconds,
-            tokens_per_s=self.generated / seconds if seconds > 0 else 0.0,
-            ttft_s=self.t_first - t_start if self.t_first is not None else seconds,
-            rounds=self.rounds,
-            drafted=self.drafted,
-            accepted=self.accepted,
-            acceptance_rate=self.accepted / self.drafted if self.drafted else None,
-            mean_accepted_length=(self.accepted + self.spec_rounds) / self.spec_rounds
-            if self.spec_rounds
-            else None,
-            mode=mode,
-            optimizations=tuple(optimizations),
-            fallbacks=tuple(self.fallbacks),
-            stop_reason=stop_reason,
-            text=text,
-            early_exits=self.early_exits,
-            mean_layers=self.layers_total / self.layers_known if self.layers_known else None,
         )
