@@ -40,7 +40,7 @@ from ..errors import QuantizationError
 from .attention import MAX_ROWWISE, NAME
 from .invariance import BATCHED, Exactness, RowsApart, plan
 from .kv_cache import GrowingLayer
-from .quant import (
+from .qlinear import (
     Int4WeightOnlyLinear,
     Int8DynamicLinear,
     Int8WeightOnlyLinear,

@@ -61,7 +61,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import QuantizationError
 from .attention import MAX_ROWWISE, NAME
-from .quant import (
+from .qlinear import (
     Int4WeightOnlyLinear,
     Int8DynamicLinear,
     Int8WeightOnlyLinear,

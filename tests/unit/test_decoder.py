@@ -16,7 +16,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from specchat.engine.config import ModelSpec, QuantMode
-from specchat.engine.model import decoder, native, quant
+from specchat.engine.model import decoder, native, qlinear, quant
 from specchat.engine.model.cpu import fbgemm_unavailable
 from specchat.engine.model.runner import ModelRunner
 from specchat.engine.weights.loading import has_fbgemm
@@ -121,7 +121,7 @@ def test_w4a8_groups_are_bit_identical() -> None:
         pytest.skip(f"the w4a8 kernel cannot be used here: {reason}")
     model = quant.apply(tiny_qwen2(hidden=128), QuantMode.W4A8, lm_head=False)
     attn = model.model.layers[0].self_attn
-    assert isinstance(attn.q_proj, quant.SharedInputMember)
+    assert isinstance(attn.q_proj, qlinear.SharedInputMember)
     same_everywhere(model, list(range(3, 40)))
 
 
@@ -139,7 +139,7 @@ def test_weight_only_int8_and_int4_are_bit_identical(mode: QuantMode) -> None:
 def test_w8a8_groups_are_bit_identical() -> None:
     """fbgemm's packed weights reach the C++ as the object the modules call."""
     model = quant.apply(tiny_qwen2(hidden=128), QuantMode.W8A8, lm_head=False)
-    assert isinstance(model.model.layers[0].self_attn.q_proj, quant.SharedInputMember)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, qlinear.SharedInputMember)
     same_everywhere(model, list(range(3, 40)))
 
 

@@ -20,7 +20,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from specchat.engine.config import QuantMode
 from specchat.engine.errors import QuantizationError
-from specchat.engine.model import cpu, quant
+from specchat.engine.model import cpu, qlinear, quant
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")
@@ -156,7 +156,7 @@ def test_w8a8_per_token_activation_error_bound() -> None:
     skip_unless_it_runs_here(QuantMode.W8A8)
     torch.manual_seed(3)
     linear = nn.Linear(256, 64, bias=False)
-    q, scales = quant.quantize_int8(linear.weight.detach(), quant.W8A8_WEIGHT_MAX)
+    q, scales = qlinear.quantize_int8(linear.weight.detach(), qlinear.W8A8_WEIGHT_MAX)
     weight = q.float() * scales.float()[:, None]  # what the kernel multiplies by
     layer = quant.apply(nn.Sequential(linear), QuantMode.W8A8)
     x = torch.randn(2, 256)
@@ -180,18 +180,18 @@ def dequantized(layer: nn.Module, in_features: int) -> torch.Tensor:
 def test_int8_per_channel_error_bound() -> None:
     torch.manual_seed(2)
     linear = nn.Linear(128, 48, bias=False)
-    layer = quant.Int8WeightOnlyLinear(linear)
+    layer = qlinear.Int8WeightOnlyLinear(linear)
     w = linear.weight.detach()
     step = w.abs().amax(dim=1, keepdim=True) / 127
     err = (dequantized(layer, 128) - w).abs()
     assert bool((err <= step / 2 + w.abs() / 128 + 1e-6).all())  # rounding + bf16 output
 
 
-@pytest.mark.parametrize("group_size", quant.INT4_GROUP_SIZES)
+@pytest.mark.parametrize("group_size", qlinear.INT4_GROUP_SIZES)
 def test_int4_grouped_error_bound(group_size: int) -> None:
     torch.manual_seed(3)
     linear = nn.Linear(256, 32, bias=False)
-    layer = quant.Int4WeightOnlyLinear(linear, group_size)
+    layer = qlinear.Int4WeightOnlyLinear(linear, group_size)
     w = linear.weight.detach()
     groups = w.reshape(32, -1, group_size)
     step = (groups.amax(-1) - groups.amin(-1)) / 15  # [N, G]
@@ -203,9 +203,9 @@ def test_int4_grouped_error_bound(group_size: int) -> None:
 def test_int4_packing_in_slices_equals_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(4)
     w = torch.randn(208, 64)  # three slices of 64 rows and one of 16
-    whole = quant.quantize_int4(w, 32)
+    whole = qlinear.quantize_int4(w, 32)
     monkeypatch.setattr(quant, "_ROWS_PER_CHUNK", 64)
-    sliced = quant.quantize_int4(w, 32)
+    sliced = qlinear.quantize_int4(w, 32)
     assert torch.equal(whole[0], sliced[0]) and torch.equal(whole[1], sliced[1])
 
 
@@ -219,7 +219,7 @@ def test_apply_lm_head_choice_and_tied_embedding() -> None:
     model = tiny_model(config)
     embedding = model.model.embed_tokens.weight.detach().clone()
     quant.apply(model, QuantMode.INT4, lm_head=True, group_size=32)
-    assert isinstance(model.lm_head, quant.Int4WeightOnlyLinear)
+    assert isinstance(model.lm_head, qlinear.Int4WeightOnlyLinear)
     assert torch.equal(model.model.embed_tokens.weight, embedding)  # embedding untouched
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
 
@@ -372,7 +372,7 @@ def test_a_cpu_without_the_kernels_is_refused_with_reasons(monkeypatch: pytest.M
         quant.check(QuantMode.W8A8, tiny_config(), CPU)
     assert "int8" in info.value.hint
     with pytest.raises(QuantizationError, match="w8a8 cannot run here"):
-        quant.Int8DynamicLinear(nn.Linear(64, 16))
+        qlinear.Int8DynamicLinear(nn.Linear(64, 16))
     with pytest.raises(QuantizationError, match="for x86-64 CPUs; this is aarch64") as info:
         quant.check(QuantMode.W4A8, tiny_config(), CPU)
     assert info.value.hint == "use int8 or int4"
@@ -431,8 +431,8 @@ def test_w8a8_shared_input_group_equals_separate_projections() -> None:
     skip_unless_it_runs_here(QuantMode.W8A8)
     torch.manual_seed(4)
     projections = [nn.Linear(64, n, bias=b) for n, b in ((64, True), (32, True), (32, False))]
-    separate = [quant.Int8DynamicLinear(m) for m in projections]
-    group = quant.SharedInputGroup(projections, quant.Int8DynamicLinear)
+    separate = [qlinear.Int8DynamicLinear(m) for m in projections]
+    group = qlinear.SharedInputGroup(projections, qlinear.Int8DynamicLinear)
     members = [group.member(i) for i in range(3)]
     x, other = torch.randn(5, 64), torch.randn(5, 64)
     with torch.no_grad():
@@ -449,9 +449,9 @@ def test_w8a8_fuses_llama_projections(float_dir: Path) -> None:
     model = load(float_dir, QuantMode.W8A8)
     layer = model.model.layers[0]
     q, k, v = layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj
-    assert isinstance(q, quant.SharedInputMember) and q.group is k.group is v.group
+    assert isinstance(q, qlinear.SharedInputMember) and q.group is k.group is v.group
     assert layer.mlp.gate_proj.group is layer.mlp.up_proj.group
-    assert isinstance(layer.mlp.down_proj, quant.Int8DynamicLinear)
+    assert isinstance(layer.mlp.down_proj, qlinear.Int8DynamicLinear)
 
 
 def worst_case_for_pair_sums() -> tuple[nn.Linear, torch.Tensor, float]:
@@ -469,7 +469,7 @@ def worst_case_for_pair_sums() -> tuple[nn.Linear, torch.Tensor, float]:
 def eight_bit_weights(linear: nn.Linear, monkeypatch: pytest.MonkeyPatch) -> nn.Module:
     """The combination W8A8_WEIGHT_MAX rules out: 8-bit weights and 8-bit activations."""
     monkeypatch.setattr(quant, "W8A8_WEIGHT_MAX", 127)
-    wide = quant.Int8DynamicLinear(linear)
+    wide = qlinear.Int8DynamicLinear(linear)
     wide.reduce_range = False
     return wide
 
@@ -479,12 +479,12 @@ def test_w8a8_never_saturates_pair_sums() -> None:
     skip_unless_it_runs_here(QuantMode.W8A8)
     linear, x, want = worst_case_for_pair_sums()
     with torch.no_grad():
-        got = quant.Int8DynamicLinear(linear)(x)
+        got = qlinear.Int8DynamicLinear(linear)(x)
     assert torch.allclose(got, torch.full_like(got, want), rtol=0.01)
 
 
 @pytest.mark.skipif(
-    not quant.fbgemm_saturates_pair_sums(),
+    not qlinear.fbgemm_saturates_pair_sums(),
     reason=f"fbgemm accumulates in int32 on AVX512-VNNI ({cpu.features().summary()})",
 )
 def test_8bit_weights_would_saturate_avx2_pair_sums(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -497,7 +497,7 @@ def test_8bit_weights_would_saturate_avx2_pair_sums(monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.skipif(
-    quant.fbgemm_saturates_pair_sums(),
+    qlinear.fbgemm_saturates_pair_sums(),
     reason=f"no AVX512-VNNI: fbgemm sums pairs in int16 here ({cpu.features().summary()})",
 )
 def test_vnni_takes_8bit_weights_without_saturating(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -545,7 +545,7 @@ def test_int8_refuses_widths_its_kernel_crashes_on_with_several_rows() -> None:
     ran = subprocess.run([sys.executable, "-c", crash.format(k=176)], timeout=120)
     assert ran.returncode == 0  # a multiple of 16 runs
     with pytest.raises(QuantizationError, match="in_features % 16"):
-        quant.Int8WeightOnlyLinear(nn.Linear(168, 64))
+        qlinear.Int8WeightOnlyLinear(nn.Linear(168, 64))
     config = tiny_config(hidden=64, intermediate=168)
     with pytest.raises(QuantizationError, match="16"):
         quant.check(QuantMode.INT8, config, CPU)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from specchat.engine.errors import QuantizationError
-from specchat.engine.model import native, quant
+from specchat.engine.model import native, qlinear, quant
 
 pytestmark = pytest.mark.skipif(
     native.cpu_supports("w4a8") is not None, reason=str(native.cpu_supports("w4a8"))
@@ -38,9 +38,9 @@ needs_kernel = pytest.mark.usefixtures("built")
 
 def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """What the kernel computes, in float64: dequantized int4 weights times int8 activations."""
-    codes, scales, mins = quant.quantize_w4a8(weight)
+    codes, scales, mins = qlinear.quantize_w4a8(weight)
     n, k = weight.shape
-    g = quant.W4A8_GROUP
+    g = qlinear.W4A8_GROUP
     w = codes.double().reshape(n, k // g, g) * scales.double()[..., None] + mins.double()[..., None]
     xb = x.double().reshape(x.shape[0], k // g, g)
     amax = xb.abs().amax(dim=-1, keepdim=True)
@@ -58,7 +58,7 @@ def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def kernel(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    packed, scales, mins = quant.pack_w4a8(weight)
+    packed, scales, mins = qlinear.pack_w4a8(weight)
     return torch.ops.specchat.w4a8_linear(x.contiguous(), packed, scales, mins, weight.shape[0])
 
 
@@ -103,8 +103,8 @@ def test_the_native_packer_equals_the_reference_byte_for_byte(
     if n > 2:
         weight[1] *= 1e-6  # tiny values: subnormal float16 scales
     weight = weight.to(dtype)
-    got = quant.pack_w4a8(weight)
-    want = quant.pack_w4a8_reference(weight)
+    got = qlinear.pack_w4a8(weight)
+    want = qlinear.pack_w4a8_reference(weight)
     for name, g, w in zip(("packed", "scales", "mins"), got, want, strict=True):
         assert g.dtype == w.dtype and g.shape == w.shape, name
         assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), name
@@ -115,21 +115,21 @@ def test_a_group_packed_member_by_member_equals_the_packed_stack() -> None:
     """What the shared-input group's shortcut builds is the float stack's packing, byte for byte."""
     torch.manual_seed(5)
     members = [nn.Linear(64, n, bias=False) for n in (48, 16, 21)]  # the last ends mid-group
-    fast = quant.W4A8Linear.stacked(members)
+    fast = qlinear.W4A8Linear.stacked(members)
     assert fast is not None and fast.out_features == 85
     stack = nn.Linear(64, 85, bias=False)
     with torch.no_grad():
         stack.weight.copy_(torch.cat([m.weight for m in members]))
-    slow = quant.W4A8Linear(stack)
+    slow = qlinear.W4A8Linear(stack)
     for name in ("packed", "scales", "mins"):
         assert torch.equal(getattr(fast, name).view(torch.uint8), getattr(slow, name).view(torch.uint8))
     # a member ending inside a group of 8 rows: no shortcut, the float stack is packed
-    assert quant.W4A8Linear.stacked([nn.Linear(64, 20), nn.Linear(64, 16)]) is None
+    assert qlinear.W4A8Linear.stacked([nn.Linear(64, 20), nn.Linear(64, 16)]) is None
 
 
 def test_codes_use_the_full_grid_and_reconstruct_the_extremes() -> None:
     weight = torch.randn(8, 128)
-    codes, scales, mins = quant.quantize_w4a8(weight)
+    codes, scales, mins = qlinear.quantize_w4a8(weight)
     assert codes.min() == 0 and codes.max() == 15
     assert scales.dtype == mins.dtype == torch.float16
     w = codes.float().reshape(8, 4, 32) * scales.float()[..., None] + mins.float()[..., None]
@@ -142,7 +142,7 @@ def test_layer_matches_float_linear_closely() -> None:
     """Quantization error on a realistic layer: int4 weights bound it (measured 0.06 relative)."""
     torch.manual_seed(0)
     linear = nn.Linear(256, 96, bias=True)
-    layer = quant.W4A8Linear(linear)
+    layer = qlinear.W4A8Linear(linear)
     x = torch.randn(3, 256)
     with torch.no_grad():
         rel = float((layer(x) - linear(x)).norm() / linear(x).norm())
@@ -151,7 +151,7 @@ def test_layer_matches_float_linear_closely() -> None:
 
 @needs_kernel
 def test_kernel_refuses_mismatched_weights() -> None:
-    packed, scales, mins = quant.pack_w4a8(torch.randn(8, 128))
+    packed, scales, mins = qlinear.pack_w4a8(torch.randn(8, 128))
     with pytest.raises(RuntimeError, match="do not match"):
         torch.ops.specchat.w4a8_linear(torch.randn(1, 192), packed, scales, mins, 8)
     with pytest.raises(RuntimeError, match="float16"):
@@ -206,4 +206,4 @@ def test_loading_says_when_it_compiles_the_kernel(
     assert builds == [(0, None, "w4a8"), (1, 1, "w4a8"), (0, None, "decoder"), (1, 1, "decoder")]
     stages = [e.stage for e in events]
     assert stages.index("build") < stages.index("load")
-    assert any(isinstance(m, quant.W4A8Linear) for m in loaded.model.modules())
+    assert any(isinstance(m, qlinear.W4A8Linear) for m in loaded.model.modules())
