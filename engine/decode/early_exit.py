@@ -96,7 +96,7 @@ class EarlyExitStepper:
     def __init__(self, runner: ModelRunner, policy: ExitPolicy) -> None:
         self.runner = runner
         self.policy = policy
-        self.stack = LayerStack(runner.model, runner)
+        self.stack = runner.stack or LayerStack(runner.model, runner.native)
         if policy.layers and policy.layers[-1] >= self.stack.num_layers:
             raise ValueError(
                 f"exit layers must be below {self.stack.num_layers}, got {policy.layers}"
@@ -199,7 +199,9 @@ class SelfSpecDrafter:
     def __init__(
         self, target: LoadedModel, exit_layer: int, runner: ModelRunner | None = None
     ) -> None:
-        self.stack = LayerStack(target.model, runner)
+        self.stack = (runner and runner.stack) or LayerStack(
+            target.model, runner.native if runner is not None else "build"
+        )
         if not 1 <= exit_layer <= self.stack.num_layers:
             raise ValueError(f"exit_layer must be in 1..{self.stack.num_layers}, got {exit_layer}")
         self.exit_layer = exit_layer

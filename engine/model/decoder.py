@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import os
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -38,7 +37,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from ..errors import QuantizationError
 from .attention import MAX_ROWWISE, NAME
-from .invariance import BATCHED, Exactness, RowsApart, plan
+from .invariance import BATCHED, Exactness, plan
 from .kv_cache import GrowingLayer
 from .qlinear import (
     Int4WeightOnlyLinear,
@@ -131,26 +130,6 @@ class NativeDecoder:
             if type(layer) is not GrowingLayer or layer.get_seq_length() != past:
                 return False
         return True
-
-    def feed(self, ids: Tensor, cache: DynamicCache, past: int, keep: int) -> Tensor:
-        """As the model on ids [n] after `past` tokens: logits [keep, V]; appends to the cache."""
-        n = int(ids.shape[-1])
-        # The rotary tables and the LM head as the runner's modules path runs them
-        # (engine/model/invariance.py); the C++ does the layers' projections and silu.
-        ex = self.exactness
-        with RowsApart(ex.fixed) if RowsApart.needed(ex, n) else nullcontext():
-            h = self.inner.embed_tokens(ids.view(1, n))  # [1, n, H]
-            cos, sin = self.rotary(h, past)
-            h = self.layers(h, (cos, sin), cache, past, range(self.num_layers), ex.rows)
-            h = self.inner.norm(h)[:, -keep:]
-            logits: Tensor = self.model.lm_head(h)
-        return logits[0]
-
-    def rotary(self, h: Tensor, past: int) -> tuple[Tensor, Tensor]:
-        """cos, sin [1, n, D] for h's n positions after `past`, as the model computes them."""
-        positions = (torch.arange(h.shape[1], device=h.device) + past).unsqueeze(0)
-        cos, sin = self.inner.rotary_emb(h, positions)
-        return cos, sin
 
     def layers(
         self,

@@ -1,17 +1,23 @@
-"""A Llama-style decoder run layer by layer, for passes that stop or start mid-model.
+"""A Llama-style decoder run as embed -> layers -> head: the one path specchat runs a
+model's layers by.
 
-Early exit (decode/early_exit.py) runs the target's first layers, reads the LM
-head at an exit point and fills the skipped layers' K/V; the self-speculative
+The runner's decode steps and verify blocks (`forward`, model/runner.py) run all
+layers; early exit (decode/early_exit.py) runs the target's first layers, reads the
+LM head at an exit point and fills the skipped layers' K/V; the self-speculative
 draft runs the first E layers; calibration (tools/calibration.py) records every
-exit point. They share this stack; its layer ranges run in the runner's native
-decoder call where it has one (model/decoder.py), so a pass through all layers
-gives the model's own numbers.
+exit point. Layer ranges run in one native call where the model has a native
+decoder (model/decoder.py, the layers' kernel), else through transformers' layer
+modules, called as the model's own forward calls them: a pass through all layers
+gives the model's own numbers either way. (A conversation's first pass, blocks
+longer than MAX_ROWWISE and architectures without a native decoder take
+transformers' whole-model forward instead: model/runner.py.)
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -20,8 +26,8 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from ..errors import EngineError
 from .attention import MAX_ROWWISE
-from .decoder import native_decoder
-from .runner import ModelRunner
+from .decoder import NativeDecoder, native_decoder
+from .invariance import BATCHED, Exactness, RowsApart
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -36,8 +42,11 @@ class LayerStack:
     call them, so a pass through all layers gives the model's own numbers.
     """
 
-    def __init__(self, model: Any, runner: ModelRunner | None = None) -> None:
-        """`runner`: the runner over `model` whose native decoder to share (else one is built)."""
+    def __init__(
+        self, model: Any, native: NativeDecoder | None | Literal["build"] = "build"
+    ) -> None:
+        """`native`: the model's native decoder to run layer ranges with (a runner's, shared),
+        None for transformers' modules only, or "build" to make one here."""
         inner = getattr(model, "model", None)
         needed = ("embed_tokens", "layers", "norm", "rotary_emb")
         if inner is None or not all(hasattr(inner, n) for n in needed):
@@ -60,11 +69,8 @@ class LayerStack:
         types = getattr(model.config, "layer_types", None)
         self.layer_types: list[str] = list(types or ["full_attention"] * self.num_layers)
         # Layer ranges in one native call where possible (engine/model/decoder.py): bit-identical.
-        # The runner's, when it serves the same model: steppers are made every turn.
-        if runner is not None and runner.model is model:
-            self.native = runner.native
-        else:
-            self.native, _ = native_decoder(model)
+        # A runner's, when given: steppers are made every turn.
+        self.native = native_decoder(model)[0] if native == "build" else native
 
     def begin(self, ids: Tensor, cache: DynamicCache, past: int) -> Pass:
         """Embed ids [S] at positions past..past+S-1; rotary for the pass."""
@@ -78,11 +84,32 @@ class LayerStack:
         masks = dict.fromkeys(self.layer_types) if short else self._masks(h, pos, cache)
         return Pass(h, pos, rope, masks, cache, past)
 
-    def run(self, p: Pass, start: int, stop: int) -> Tensor:
-        """Layers start..stop-1 (0-based); appends their K/V to p.cache; returns p.h [1, S, H]."""
+    def forward(
+        self, ids: Tensor, cache: DynamicCache, past: int, keep: int, exactness: Exactness
+    ) -> Tensor:
+        """All layers on ids [n] after `past` cached tokens: logits of the last `keep` [keep, V].
+
+        A decode step or a verify block: the float projections and silu of the
+        embedding, rotary tables, final norm and LM head take a block's rows as
+        `exactness` plans (one at a time where a block must score as steps do),
+        and so do the native layers.
+        """
+        n = int(ids.shape[-1])
+        with RowsApart(exactness.fixed) if RowsApart.needed(exactness, n) else nullcontext():
+            p = self.begin(ids, cache, past)
+            h = self.run(p, 0, self.num_layers, exactness.rows)
+            logits: Tensor = self.head(self.inner.norm(h)[:, -keep:])
+        return logits[0]
+
+    def run(self, p: Pass, start: int, stop: int, rows: int = BATCHED) -> Tensor:
+        """Layers start..stop-1 (0-based); appends their K/V to p.cache; returns p.h [1, S, H].
+
+        `rows`: how the native layers take a block's float projections and silu
+        (engine/model/invariance.py); the default is transformers' modules' way.
+        """
         run = range(start, stop)
         if self.native is not None and self.native.usable(p.cache, p.past, p.h.shape[1], run):
-            p.h = self.native.layers(p.h, p.rope, p.cache, p.past, run)
+            p.h = self.native.layers(p.h, p.rope, p.cache, p.past, run, rows)
             return p.h
         for i in run:
             p.h = self.layers[i](

@@ -27,6 +27,7 @@ from .attention import use_rowwise_attention
 from .decoder import native_decoder
 from .invariance import RowsApart, plan
 from .kv_cache import new_cache
+from .layers import LayerStack
 
 
 class ModelRunner:
@@ -45,6 +46,17 @@ class ModelRunner:
         # Decode steps and verify blocks in one native call where the model allows it
         # (engine/model/decoder.py); `native_off` says why not otherwise.
         self.native, self.native_off = native_decoder(model, self.exactness)
+        self._stack: LayerStack | None = None
+
+    @property
+    def stack(self) -> LayerStack | None:
+        """The model's layers, one by one or in ranges, through this runner's native decoder
+        (model/layers.py); None without a native decoder."""
+        if self.native is None:
+            return None
+        if self._stack is None or self._stack.native is not self.native:
+            self._stack = LayerStack(self.model, self.native)
+        return self._stack
 
     def reset(self) -> None:
         self.cache = new_cache(self.model.config)
@@ -64,10 +76,13 @@ class ModelRunner:
         n = int(ids.shape[-1])
         if n == 0:
             raise ValueError("feed() needs at least one new token")
-        if self.native is not None and self.native.usable(self.cache, self.cached, n):
-            logits = self.native.feed(ids, self.cache, self.cached, min(keep, n))
+        stack = self.stack
+        if stack is not None and self.native is not None and self.native.usable(self.cache, self.cached, n):
+            logits = stack.forward(ids, self.cache, self.cached, min(keep, n), self.exactness)
             self.cached += n
             return logits
+        # The first pass of a conversation (it makes the caches), blocks past MAX_ROWWISE
+        # and models without a native decoder: transformers' own forward.
         # Float projections and silu so that each row gets a one-token step's bits.
         ex = self.exactness
         with RowsApart(ex.fixed) if RowsApart.needed(ex, n) else nullcontext():
