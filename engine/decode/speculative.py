@@ -294,29 +294,7 @@ def speculative_round(
     t2 = _now()
 
     n = int(packed[0])
-    chain_ids = [int(x) for x in packed[1 : k + 2]]
-    p_t_list = packed[k + 2 : 2 * k + 3]
-    p_d_list = packed[2 * k + 3 : 3 * k + 3]
-    d_list = [int(x) for x in packed[3 * k + 3 :]]
-    tokens = [
-        Emitted(chain_ids[i], Provenance.ACCEPTED, position=i, p_target=p_t_list[i], p_draft=p_d_list[i])
-        for i in range(n)
-    ]
-    if n < k:
-        tokens.append(
-            Emitted(
-                chain_ids[n],
-                Provenance.CORRECTED,
-                position=n,
-                p_target=p_t_list[n],
-                p_draft=p_d_list[n],
-                rejected_id=d_list[n],
-            )
-        )
-    elif k:
-        tokens.append(Emitted(chain_ids[k], Provenance.BONUS, position=k, p_target=p_t_list[k]))
-    else:
-        tokens.append(Emitted(chain_ids[0], Provenance.TARGET, p_target=p_t_list[0]))
+    tokens = _emitted(packed, k)
 
     # 4. Roll back to the accepted length: the caches hold seq + accepted drafts;
     # the round's last token is fed at the start of the next round.
@@ -324,3 +302,30 @@ def speculative_round(
     drafter.rollback(n0 + n)
     source = (prop.source or drafter.name) if k else None
     return RoundResult(tokens, k, n, (t1 - t0) * 1e3, (t2 - t1) * 1e3, drafter=source)
+
+
+def _emitted(packed: list[float], k: int) -> list[Emitted]:
+    """The round's tokens from its one host read: [n, chain (k+1), p_target (k+1),
+    p_draft (k), drafts (k)]: n accepted drafts, then the correction (the refused
+    draft named) or, all k accepted, the bonus; a round without drafts is a plain step."""
+    n = int(packed[0])
+    chain = [int(x) for x in packed[1 : k + 2]]
+    p_t = packed[k + 2 : 2 * k + 3]
+    p_d = packed[2 * k + 3 : 3 * k + 3]
+    drafts = [int(x) for x in packed[3 * k + 3 :]]
+    tokens = [
+        Emitted(chain[i], Provenance.ACCEPTED, position=i, p_target=p_t[i], p_draft=p_d[i])
+        for i in range(n)
+    ]
+    if n < k:
+        tokens.append(
+            Emitted(
+                chain[n], Provenance.CORRECTED, position=n, p_target=p_t[n], p_draft=p_d[n],
+                rejected_id=drafts[n],
+            )
+        )
+    elif k:
+        tokens.append(Emitted(chain[k], Provenance.BONUS, position=k, p_target=p_t[k]))
+    else:
+        tokens.append(Emitted(chain[0], Provenance.TARGET, p_target=p_t[0]))
+    return tokens
