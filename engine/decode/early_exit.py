@@ -36,13 +36,13 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from ..config import DecodeConfig
-from ..events import Provenance
+from ..events import Provenance, TokenEvent
 from ..model.kv_cache import new_cache
 from ..model.layers import LayerStack, crop_layers
 from ..model.runner import ModelRunner
 from .exit_policy import ExitPolicy, Measure, exits_at
 from .sampling import logits_to_probs, sample
-from .speculative import Emitted, Proposal, RoundResult, draft_chain
+from .speculative import Proposal, RoundResult, draft_chain, emitted
 
 if TYPE_CHECKING:
     from ..weights.loading import LoadedModel
@@ -116,7 +116,7 @@ class EarlyExitStepper:
 
     def _step(
         self, seq: list[int], cfg: DecodeConfig, generator: torch.Generator | None
-    ) -> tuple[Emitted, int]:
+    ) -> tuple[TokenEvent, int]:
         runner, stack, policy, counts = self.runner, self.stack, self.policy, self.counts
         if runner.cached >= len(seq):
             runner.crop_to(len(seq) - 1)  # the last token must be fed again for its logits
@@ -161,7 +161,7 @@ class EarlyExitStepper:
                 counts.exits[i] += 1
                 counts.layers += layer
                 tok, prob = _pick(logits, cfg, generator)
-                em = Emitted(
+                em = emitted(
                     tok,
                     Provenance.EARLY_EXIT,
                     p_target=prob,
@@ -173,7 +173,7 @@ class EarlyExitStepper:
         runner.cached += 1
         counts.layers += stack.num_layers
         tok, prob = _pick(stack.logits(hs)[0, -1], cfg, generator)
-        return Emitted(tok, Provenance.TARGET, p_target=prob), stack.num_layers
+        return emitted(tok, Provenance.TARGET, p_target=prob), stack.num_layers
 
 
 # -- the self-speculative draft ---------------------------------------------------

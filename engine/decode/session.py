@@ -7,6 +7,7 @@ prefix it shares with what the caches hold, and prefills only the rest.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -40,7 +41,6 @@ from .exit_policy import policy_for
 from .lookup import LookupDrafter
 from .speculative import (
     Drafter,
-    Emitted,
     ModelDrafter,
     RoundResult,
     plain_step,
@@ -595,20 +595,13 @@ class ChatSession:
             turn.tally.stats(t_start, turn.run_mode, optimizations, stop_reason, text)
         )
 
-    def _token_event(self, em: Emitted, text: str, round_: int) -> TokenEvent:
-        return TokenEvent(
-            token_id=em.token_id,
+    def _token_event(self, em: TokenEvent, text: str, round_: int) -> TokenEvent:
+        """The round's token with its text, round, refused draft's text and emission time."""
+        rejected = em.rejected_id
+        return dataclasses.replace(
+            em,
             text=text,
-            provenance=em.provenance,
             round=round_,
-            position=em.position,
-            p_target=em.p_target,
-            p_draft=em.p_draft,
-            exit_layer=em.exit_layer,
-            confidence=em.confidence,
-            rejected_id=em.rejected_id,
-            rejected_text=(
-                self.tokenizer.decode([em.rejected_id]) if em.rejected_id is not None else None
-            ),
+            rejected_text=self.tokenizer.decode([rejected]) if rejected is not None else None,
             t=time.perf_counter(),
         )

@@ -25,13 +25,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from ..config import DecodeConfig
-from ..events import Provenance
+from ..events import Provenance, TokenEvent
 from ..model.runner import ModelRunner
 from .sampling import (
     align_vocab,
@@ -43,23 +43,15 @@ from .sampling import (
 )
 
 
-@dataclass(slots=True)
-class Emitted:
-    """A token of a round before it becomes a TokenEvent (no text yet)."""
-
-    token_id: int
-    provenance: Provenance
-    position: int | None = None
-    p_target: float | None = None
-    p_draft: float | None = None
-    rejected_id: int | None = None
-    exit_layer: int | None = None
-    confidence: float | None = None
+def emitted(token_id: int, provenance: Provenance, **facts: Any) -> TokenEvent:
+    """A token of a round: its TokenEvent before the session gives it its text, round and
+    time (`facts`: position, p_target, p_draft, exit_layer, confidence, rejected_id)."""
+    return TokenEvent(token_id, "", provenance, 0, **facts)
 
 
 @dataclass(slots=True)
 class RoundResult:
-    tokens: list[Emitted]
+    tokens: list[TokenEvent]  # text, round and time filled in by the session
     k: int  # draft tokens proposed (0 for a plain step)
     accepted: int  # draft tokens accepted
     draft_ms: float
@@ -225,7 +217,7 @@ def plain_step(
         p_t = probs[tok_t]
     tok, p = torch.stack([tok_t.double(), p_t.double()]).tolist()  # one host sync
     ms = (_now() - t0) * 1e3
-    return RoundResult([Emitted(int(tok), Provenance.TARGET, p_target=p)], 0, 0, 0.0, ms)
+    return RoundResult([emitted(int(tok), Provenance.TARGET, p_target=p)], 0, 0, 0.0, ms)
 
 
 def speculative_round(
@@ -294,7 +286,7 @@ def speculative_round(
     t2 = _now()
 
     n = int(packed[0])
-    tokens = _emitted(packed, k)
+    tokens = _round_tokens(packed, k)
 
     # 4. Roll back to the accepted length: the caches hold seq + accepted drafts;
     # the round's last token is fed at the start of the next round.
@@ -304,7 +296,7 @@ def speculative_round(
     return RoundResult(tokens, k, n, (t1 - t0) * 1e3, (t2 - t1) * 1e3, drafter=source)
 
 
-def _emitted(packed: list[float], k: int) -> list[Emitted]:
+def _round_tokens(packed: list[float], k: int) -> list[TokenEvent]:
     """The round's tokens from its one host read: [n, chain (k+1), p_target (k+1),
     p_draft (k), drafts (k)]: n accepted drafts, then the correction (the refused
     draft named) or, all k accepted, the bonus; a round without drafts is a plain step."""
@@ -314,18 +306,18 @@ def _emitted(packed: list[float], k: int) -> list[Emitted]:
     p_d = packed[2 * k + 3 : 3 * k + 3]
     drafts = [int(x) for x in packed[3 * k + 3 :]]
     tokens = [
-        Emitted(chain[i], Provenance.ACCEPTED, position=i, p_target=p_t[i], p_draft=p_d[i])
+        emitted(chain[i], Provenance.ACCEPTED, position=i, p_target=p_t[i], p_draft=p_d[i])
         for i in range(n)
     ]
     if n < k:
         tokens.append(
-            Emitted(
+            emitted(
                 chain[n], Provenance.CORRECTED, position=n, p_target=p_t[n], p_draft=p_d[n],
                 rejected_id=drafts[n],
             )
         )
     elif k:
-        tokens.append(Emitted(chain[k], Provenance.BONUS, position=k, p_target=p_t[k]))
+        tokens.append(emitted(chain[k], Provenance.BONUS, position=k, p_target=p_t[k]))
     else:
-        tokens.append(Emitted(chain[0], Provenance.TARGET, p_target=p_t[0]))
+        tokens.append(emitted(chain[0], Provenance.TARGET, p_target=p_t[0]))
     return tokens
