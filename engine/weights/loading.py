@@ -209,7 +209,13 @@ KV_RESERVE_TOKENS = 4096  # KV cache room checked for before loading a model
 
 
 def _check_memory(
-    config: Any, mode: QuantMode, dtype: torch.dtype, device: torch.device, label: str
+    config: Any,
+    mode: QuantMode,
+    dtype: torch.dtype,
+    device: torch.device,
+    label: str,
+    *,
+    streamed: bool = False,
 ) -> None:
     """Refuse, before loading, a model whose weights (at their loading peak) and a
     KV cache of KV_RESERVE_TOKENS would not fit in the memory free now. The target
@@ -217,13 +223,24 @@ def _check_memory(
     from .memory import check_fits, estimate_peak_bytes, kv_bytes_per_token
 
     try:
-        peak = estimate_peak_bytes(config, mode, dtype)
+        peak = estimate_peak_bytes(config, mode, dtype, streamed=streamed)
         kv = kv_bytes_per_token(config, dtype) * min(
             KV_RESERVE_TOKENS, int(getattr(config, "max_position_embeddings", 2048) or 2048)
         )
     except Exception:  # an architecture the estimate cannot build: load and see
         return
     check_fits(peak + kv, device, label)
+
+
+def _pieces(report: Progress, role: str, mode: QuantMode, name: str) -> Callable[[int, int], None]:
+    """The streamed load's progress, as the quantize stage (about every 5%, and the end)."""
+    detail = f"{role}: {mode} {name}, layer by layer"
+
+    def piece(done: int, total: int) -> None:
+        if done == total or done * 20 // total != (done - 1) * 20 // total:
+            report(LoadProgress("quantize", done, total, detail=detail))
+
+    return piece
 
 
 def _approx_params(config: Any) -> int:
@@ -273,16 +290,33 @@ def load_model(
         _check_quant(mode, config, device, report)
         kwargs.update(quant.load_kwargs(mode, device))
 
-    _check_memory(config, mode, dtype, device, label)
+    from .stream import load_streamed, unstreamable
+
+    # Post-load CPU modes read a folder piece by piece, quantizing as they go (stream.py):
+    # the float weights of one layer at a time, not of the whole model.
+    not_streamed = unstreamable(resolved.pretrained, resolved.gguf_file, config, mode, device)
+    if spec.head_shortlist:
+        not_streamed = "the shortlist head is cut from the float head"
+    _check_memory(config, mode, dtype, device, label, streamed=not_streamed is None)
     report(LoadProgress("load", 0, 1, detail=f"{role}: {resolved.name}"))
     # transformers' own progress bars would write over a terminal UI.
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     t0 = time.perf_counter()
+    params = None
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolved.pretrained, gguf_file=resolved.gguf_file)
-        model = AutoModelForCausalLM.from_pretrained(resolved.pretrained, **kwargs)
+        if not_streamed is None:
+            try:
+                model, params = load_streamed(
+                    Path(resolved.pretrained), config, mode, dtype, _pieces(report, role, mode, resolved.name)
+                )
+            except KeyError as exc:  # names this reader does not know: transformers' loader
+                report(LoadProgress("load", 0, 1, detail=f"{role}: {exc.args[0]}; loading whole"))
+                params = None
+        if params is None:
+            model = AutoModelForCausalLM.from_pretrained(resolved.pretrained, **kwargs)
     except torch.OutOfMemoryError as exc:
         from ..errors import OutOfMemoryError
 
@@ -304,8 +338,10 @@ def load_model(
         special += [int(i) for i in getattr(tokenizer, "added_tokens_decoder", {})]
         kept = apply_shortlist(model, spec.head_shortlist, special)
         report(LoadProgress("load", 1, 1, detail=f"{role}: head scores {kept} tokens"))
-    params = sum(p.numel() for p in model.parameters())  # before packing hides them
-    if quant is not None:
+    streamed = params is not None
+    if params is None:
+        params = sum(p.numel() for p in model.parameters())  # before packing hides them
+    if quant is not None and not streamed:
         detail = f"{role}: {mode} {resolved.name}"
 
         def quantized(done: int, total: int) -> None:  # about every 5%, and the end

@@ -139,12 +139,20 @@ def estimate_peak_bytes(
     *,
     lm_head: bool = QUANTIZE_LM_HEAD,
     group_size: int = DEFAULT_GROUP_SIZE,
+    streamed: bool = False,
 ) -> int:
     """The most the weights hold while loading: post-load modes (int8, int4) first hold
-    the whole float model; bitsandbytes holds one float weight beside the quantized ones."""
+    the whole float model, or, `streamed` (weights/stream.py), the quantized model and one
+    piece in float (a decoder layer, or the embedding or LM head); bitsandbytes holds one
+    float weight beside the quantized ones."""
     resident = estimate_load_bytes(config, mode, dtype, lm_head=lm_head, group_size=group_size)
     if mode is QuantMode.NONE:
         return resident
+    if streamed:
+        _, shapes, _, _ = _split(config)
+        layer = sum(s.in_features * s.out_features for s in shapes if ".layers.0." in s.name)
+        largest = max([layer, *(s.in_features * s.out_features for s in shapes if s.is_lm_head)])
+        return resident + largest * _itemsize(dtype)
     float_model = estimate_load_bytes(config, QuantMode.NONE, dtype)
     if mode in (QuantMode.BNB_NF4, QuantMode.BNB_INT8):
         _, shapes, _, _ = _split(config)
