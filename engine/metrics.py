@@ -93,7 +93,6 @@ def expected_speedup(alpha: float, k: int, c: float, v: float = 1.0) -> float:
     return expected_tokens(alpha, k) / (k * c + v)
 
 
-
 def count_round(reached: Counter[int], passed: Counter[int], k: int, accepted: int) -> None:
     """Add one speculative round of k drafts, `accepted` of them accepted, to the
     per-position tallies: position i is reached when drafts 1..i-1 were accepted."""

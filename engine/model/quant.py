@@ -86,12 +86,7 @@ DEFAULT_GROUP_SIZE = 32  # same kernel speed as 64 or 128, fewer greedy flips (d
 QUANTIZE_LM_HEAD = True  # post-load modes quantize the output projection unless told not to
 
 BNB_BLOCK_SIZE = 64  # bitsandbytes 4-bit block of weights sharing one absmax
-_COMPUTE_DTYPE = torch.bfloat16  # activations of the int8 / int4 CPU kernels (fp32: 5-14x slower)
-W8A8_WEIGHT_MAX = (
-    63  # weights on a 7-bit grid so activations can keep 8 bits (docs/quantization.md)
-)
 StepProgress = Callable[[int, int], None]  # (modules done, modules in all)
-_ROWS_PER_CHUNK = 8192  # quantize large weights (the lm_head) in slices to bound peak memory
 
 
 # --------------------------------------------------------------------------- shapes
