@@ -25,94 +25,18 @@ import argparse
 import gc
 import statistics
 import time
-from dataclasses import dataclass
 
 import torch
-from torch import nn
-from transformers import Qwen2Config, Qwen2ForCausalLM
-from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
 from specchat.engine.config import ModelSpec, QuantMode
 from specchat.engine.metrics import expected_speedup
-from specchat.engine.model import quant
 from specchat.engine.model.runner import ModelRunner
+from specchat.engine.tools.shaped import QWEN_VOCAB as VOCAB
+from specchat.engine.tools.shaped import SHAPES, build
 from specchat.engine.weights.loading import load_model
 
-VOCAB = 151_936
 PROMPT = 64
 KS = (1, 2, 4)
-
-
-@dataclass(frozen=True)
-class Shape:
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    tied: bool
-
-    def params(self) -> float:
-        head_dim = self.hidden // self.heads
-        attn = 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_heads * head_dim
-        mlp = 3 * self.hidden * self.intermediate
-        embed = VOCAB * self.hidden * (1 if self.tied else 2)
-        return self.layers * (attn + mlp) + embed
-
-
-# Qwen2.5-Coder-{1.5B,3B,7B,14B}-Instruct's config.json (hidden, intermediate, layers, heads).
-SHAPES = {
-    "1.5b": Shape(1536, 8960, 28, 12, 2, True),
-    "3b": Shape(2048, 11008, 36, 16, 2, True),
-    "7b": Shape(3584, 18944, 28, 28, 4, False),
-    "14b": Shape(5120, 13824, 48, 40, 8, False),
-}
-
-
-def config(shape: Shape, layers: int) -> Qwen2Config:
-    return Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        max_position_embeddings=4096,
-        tie_word_embeddings=shape.tied,
-    )
-
-
-@torch.no_grad()
-def fill(module: nn.Module, gen: torch.Generator) -> None:
-    """Random weights where the module was made on the meta device: norms 1, the rest N(0, 0.02)."""
-    module.to_empty(device="cpu")
-    for name, p in module.named_parameters(recurse=True):
-        if "norm" in name:
-            p.fill_(1.0)
-        else:
-            p.normal_(0.0, 0.02, generator=gen)
-
-
-@torch.no_grad()
-def build(shape: Shape, layers: int, seed: int = 0) -> Qwen2ForCausalLM:
-    """A w4a8 target of `shape` with `layers` decoder layers, built one layer at a time."""
-    gen = torch.Generator().manual_seed(seed)
-    cfg = config(shape, layers)
-    with torch.device("meta"):
-        model = Qwen2ForCausalLM(cfg)
-    for layer in model.model.layers:
-        fill(layer, gen)
-        quant.apply(layer, QuantMode.W4A8, lm_head=False)  # q/k/v and gate/up as one GEMM each
-    fill(model.model.embed_tokens, gen)
-    fill(model.model.norm, gen)
-    model.model.rotary_emb = Qwen2RotaryEmbedding(cfg)  # its buffers are computed, not random
-    if shape.tied:
-        model.lm_head = nn.Linear(shape.hidden, VOCAB, bias=False)
-        model.lm_head.weight = model.model.embed_tokens.weight
-    else:
-        fill(model.lm_head, gen)
-    quant.apply(model, QuantMode.W4A8)  # what is left: the LM head, as the loader quantizes it
-    return model.eval()
 
 
 def measure(runner: ModelRunner, steps: int = 16, repeats: int = 7) -> dict[str, float]:

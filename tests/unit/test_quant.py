@@ -204,7 +204,7 @@ def test_int4_packing_in_slices_equals_whole(monkeypatch: pytest.MonkeyPatch) ->
     torch.manual_seed(4)
     w = torch.randn(208, 64)  # three slices of 64 rows and one of 16
     whole = qlinear.quantize_int4(w, 32)
-    monkeypatch.setattr(quant, "_ROWS_PER_CHUNK", 64)
+    monkeypatch.setattr(qlinear, "_ROWS_PER_CHUNK", 64)
     sliced = qlinear.quantize_int4(w, 32)
     assert torch.equal(whole[0], sliced[0]) and torch.equal(whole[1], sliced[1])
 
@@ -468,7 +468,7 @@ def worst_case_for_pair_sums() -> tuple[nn.Linear, torch.Tensor, float]:
 
 def eight_bit_weights(linear: nn.Linear, monkeypatch: pytest.MonkeyPatch) -> nn.Module:
     """The combination W8A8_WEIGHT_MAX rules out: 8-bit weights and 8-bit activations."""
-    monkeypatch.setattr(quant, "W8A8_WEIGHT_MAX", 127)
+    monkeypatch.setattr(qlinear, "W8A8_WEIGHT_MAX", 127)
     wide = qlinear.Int8DynamicLinear(linear)
     wide.reduce_range = False
     return wide
