@@ -310,8 +310,9 @@ def load_model(
         if not_streamed is None:
             try:
                 model, params = load_streamed(
-                    Path(resolved.pretrained), config, mode, dtype, _pieces(report, role, mode, resolved.name)
-                )
+                    Path(resolved.pretrained), config, mode, dtype,
+                    _pieces(report, role, mode, resolved.name), resolved.gguf_file,
+                )  # fmt: skip
             except KeyError as exc:  # names this reader does not know: transformers' loader
                 report(LoadProgress("load", 0, 1, detail=f"{role}: {exc.args[0]}; loading whole"))
                 params = None

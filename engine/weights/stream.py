@@ -9,9 +9,10 @@ one piece's float weights are alive beside the quantized model.
 
 The result equals `from_pretrained(dtype) + quant.apply(mode)` bit for bit: the same
 float values (a checkpoint's bf16 widened to float32 exactly) go through the same
-quantization. Llama-style decoders (Llama, Qwen2) on the CPU take this path;
-`unstreamable` says why another model does not, and the loader then uses
-`from_pretrained`.
+quantization. Llama-style decoders (Llama, Qwen2) on the CPU take this path, from
+a folder of .safetensors files or from one .gguf file (gguf_file.py dequantizes its
+tensors one at a time); `unstreamable` says why another model does not, and the
+loader then uses `from_pretrained`.
 """
 
 from __future__ import annotations
@@ -42,11 +43,11 @@ def unstreamable(
         return f"{mode} quantizes inside from_pretrained" if mode is not QuantMode.NONE else "no quantization"
     if device.type != "cpu":
         return f"post-load quantization runs on the CPU, not {device.type}"
-    if gguf_file:
-        return "a .gguf file is read whole by transformers"
     if getattr(config, "model_type", None) not in STREAMED_ARCHITECTURES:
         return f"no piece-by-piece load for {getattr(config, 'model_type', '?')} models"
     folder = Path(pretrained)
+    if gguf_file:
+        return None if (folder / gguf_file).is_file() else f"no file {folder / gguf_file}"
     if not folder.is_dir() or not any(folder.glob("*.safetensors")):
         return "not a local folder of .safetensors files"
     return None
@@ -109,12 +110,20 @@ def load_streamed(
     mode: QuantMode,
     dtype: torch.dtype,
     progress: Progress | None = None,
+    gguf_file: str | None = None,
 ) -> tuple[PreTrainedModel, int]:
-    """The model in `folder`, quantized with `mode` piece by piece (see the module docstring),
-    and its parameter count before packing. Raises KeyError for a tensor it cannot find."""
-    checkpoint = _Checkpoint(folder)
+    """The model in `folder` (or its `gguf_file`), quantized with `mode` piece by piece (see
+    the module docstring), and its parameter count before packing. Raises KeyError for a
+    tensor it cannot find."""
     with torch.device("meta"):
         model: Any = AutoModelForCausalLM.from_config(config)
+    checkpoint: Any
+    if gguf_file:
+        from .gguf_file import GgufCheckpoint
+
+        checkpoint = GgufCheckpoint(folder / gguf_file, model, config)
+    else:
+        checkpoint = _Checkpoint(folder)
     model.to(dtype)
     params = sum(p.numel() for p in model.parameters())
     inner = model.model
@@ -140,7 +149,7 @@ def load_streamed(
     quant.apply(model, mode)  # what is left as nn.Linear: the LM head, as from_pretrained's
     if progress is not None:
         progress(len(pieces) + 1, len(pieces) + 1)
-    if (folder / "generation_config.json").is_file():
+    if not gguf_file and (folder / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(folder)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
