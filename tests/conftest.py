@@ -7,6 +7,9 @@ import os
 # Idle OpenMP threads must not spin while another test process or thread needs
 # the core (read at torch import, so set before any test module imports torch).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# A test sees the load it asks for (its stages, its quantization), not packed weights an
+# earlier test or run left in the cache; test_packed.py turns the cache on in its own folder.
+os.environ.setdefault("SPECCHAT_PACKED_CACHE", "0")
 
 from pathlib import Path
 

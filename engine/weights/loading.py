@@ -17,6 +17,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from ..config import ModelSpec, QuantMode
 from ..errors import ModelLoadError, TokenizerMismatchError
 from ..events import LoadProgress, ModelInfo
+from . import packed
 
 Progress = Callable[[LoadProgress], None]
 
@@ -270,8 +271,13 @@ def load_model(
     report = progress or (lambda _e: None)
     resolved = fetch.resolve(spec.source, cache_dir=cache_dir, progress=progress)
     label = f"{role} model {spec.source!r}"
-    config = _check_causal_lm(resolved.pretrained, resolved.gguf_file, label)
     device = pick_device(spec.device)
+    # Packed weights kept from an earlier start (packed.py): their entry holds the config
+    # and tokenizer too, so a GGUF's metadata is not parsed again either.
+    entry = packed.entry(resolved.weights_sha256, cache_dir) if device.type == "cpu" else None
+    meta = entry if entry is not None and entry.has_metadata else None
+    meta_source, meta_gguf = (str(meta.folder), None) if meta else (resolved.pretrained, resolved.gguf_file)
+    config = _check_causal_lm(meta_source, meta_gguf, label)
     dtype = pick_dtype(spec.dtype, device)
 
     kwargs: dict[str, Any] = {"dtype": dtype}
@@ -290,13 +296,15 @@ def load_model(
         _check_quant(mode, config, device, report)
         kwargs.update(quant.load_kwargs(mode, device))
 
-    from .stream import load_streamed, unstreamable
+    from .stream import POST_LOAD, load_streamed, unstreamable
 
     # Post-load CPU modes read a folder piece by piece, quantizing as they go (stream.py):
     # the float weights of one layer at a time, not of the whole model.
     not_streamed = unstreamable(resolved.pretrained, resolved.gguf_file, config, mode, device)
     if spec.head_shortlist:
         not_streamed = "the shortlist head is cut from the float head"
+    if mode not in POST_LOAD or spec.head_shortlist:
+        entry = None  # quantized inside from_pretrained, or cut after: nothing to keep
     _check_memory(config, mode, dtype, device, label, streamed=not_streamed is None)
     report(LoadProgress("load", 0, 1, detail=f"{role}: {resolved.name}"))
     # transformers' own progress bars would write over a terminal UI.
@@ -305,9 +313,14 @@ def load_model(
     hf_logging.disable_progress_bar()
     t0 = time.perf_counter()
     params = None
+    kept = packed.load(entry, mode, dtype) if entry is not None else None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(resolved.pretrained, gguf_file=resolved.gguf_file)
-        if not_streamed is None:
+        tokenizer = AutoTokenizer.from_pretrained(meta_source, gguf_file=meta_gguf)
+        if kept is not None:
+            model, params = kept
+            detail = f"{role}: {mode} {resolved.name}, packed weights from the cache"
+            report(LoadProgress("load", 0, 1, detail=detail))
+        elif not_streamed is None:
             try:
                 model, params = load_streamed(
                     Path(resolved.pretrained), config, mode, dtype,
@@ -337,9 +350,9 @@ def load_model(
 
         special = [int(i) for i in getattr(tokenizer, "all_special_ids", [])]
         special += [int(i) for i in getattr(tokenizer, "added_tokens_decoder", {})]
-        kept = apply_shortlist(model, spec.head_shortlist, special)
-        report(LoadProgress("load", 1, 1, detail=f"{role}: head scores {kept} tokens"))
-    streamed = params is not None
+        scored = apply_shortlist(model, spec.head_shortlist, special)
+        report(LoadProgress("load", 1, 1, detail=f"{role}: head scores {scored} tokens"))
+    streamed = params is not None  # streamed or from the packed cache: quantized already
     if params is None:
         params = sum(p.numel() for p in model.parameters())  # before packing hides them
     if quant is not None and not streamed:
@@ -352,6 +365,10 @@ def load_model(
         model = quant.apply(model, mode, progress=quantized)
     model.eval()
     model.requires_grad_(False)
+    if entry is not None and kept is None:
+        why = packed.save(entry, model, tokenizer, mode, dtype, params, spec.source, time.perf_counter() - t0)
+        done = "kept in the cache for the next start" if why is None else f"not kept ({why})"
+        report(LoadProgress("cache", 1, 1, detail=f"{role}: packed weights {done}"))
     _build_decoder(config, device, report)
     report(
         LoadProgress(
