@@ -3,7 +3,8 @@
 - the cache (`cache_root`): `$SPECCHAT_CACHE`, else `$XDG_CACHE_HOME/specchat`, else
   `~/.cache/specchat`. It holds the converted models (`models/<name>`), the built
   kernels (`kernels/<kernel>-<key>`), early-exit calibrations
-  (`calibration/<weights key>.json`) and the file-hash memo (`hashes.json`).
+  (`calibration/<weights key>.json`), quantized models kept for the next start
+  (`packed/<weights sha256>-<code key>/`) and the file-hash memo (`hashes.json`).
 - the settings file (`config_path`): `$SPECCHAT_CONFIG`, else
   `$XDG_CONFIG_HOME/specchat/config.toml`, else `~/.config/specchat/config.toml`.
 
@@ -40,6 +41,10 @@ def kernels_dir(cache_dir: Path | str | None = None) -> Path:
 
 def calibration_dir(cache_dir: Path | str | None = None) -> Path:
     return cache_root(cache_dir) / "calibration"
+
+
+def packed_dir(cache_dir: Path | str | None = None) -> Path:
+    return cache_root(cache_dir) / "packed"
 
 
 def hash_memo(cache_dir: Path | str | None = None) -> Path:

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
+from .. import paths
 from ..config import QuantMode
-from ..paths import cache_root
 
 FORMAT = 1
 ENV = "SPECCHAT_PACKED_CACHE"
@@ -52,10 +52,6 @@ _CODE = (
 
 def enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in {"0", "no", "off", "false"}
-
-
-def packed_dir(cache_dir: Path | str | None = None) -> Path:
-    return cache_root(cache_dir) / "packed"
 
 
 def code_key() -> str:
@@ -98,7 +94,7 @@ def entry(weights_sha256: str | None, cache_dir: Path | str | None = None) -> En
     """The cache folder for these weights under this code (None: no weights hash, or off)."""
     if not weights_sha256 or not enabled():
         return None
-    return Entry(packed_dir(cache_dir) / f"{weights_sha256[:20]}-{code_key()}", weights_sha256)
+    return Entry(paths.packed_dir(cache_dir) / f"{weights_sha256[:20]}-{code_key()}", weights_sha256)
 
 
 def load(where: Entry, mode: QuantMode, dtype: torch.dtype) -> tuple[Any, int] | None:

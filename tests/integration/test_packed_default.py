@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specchat.engine import paths
 from specchat.engine.config import ModelSpec
 from specchat.engine.errors import FetchError
 from specchat.engine.events import LoadProgress
@@ -26,7 +27,7 @@ def test_the_default_draft_loads_from_the_packed_cache(tmp_path: Path, monkeypat
     except FetchError as exc:
         pytest.skip(f"default pair not cached: {exc.message}")
     monkeypatch.setenv(packed.ENV, "1")
-    monkeypatch.setattr(packed, "packed_dir", lambda cache_dir=None: tmp_path / "packed")
+    monkeypatch.setattr(paths, "packed_dir", lambda cache_dir=None: tmp_path / "packed")
     runs = []
     for _ in range(2):
         events: list[LoadProgress] = []

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from specchat.engine import paths
 from specchat.engine.config import ModelSpec, QuantMode
 from specchat.engine.errors import QuantizationError
 from specchat.engine.events import LoadProgress
@@ -89,7 +90,7 @@ def test_changed_weights_are_packed_again(tmp_path: Path) -> None:
     second, events = load(source, QuantMode.INT8, cache)
     assert quantized(events) and not from_cache(events)
     assert not torch.equal(logits(first), logits(second))
-    assert len(list(packed.packed_dir(cache).iterdir())) == 2  # one entry per weights
+    assert len(list(paths.packed_dir(cache).iterdir())) == 2  # one entry per weights
     third, events = load(source, QuantMode.INT8, cache)
     assert from_cache(events) and torch.equal(logits(second), logits(third))
 
@@ -120,7 +121,7 @@ def test_a_torn_file_is_packed_again(tmp_path: Path) -> None:
     source = folder_model(tmp_path / "m")
     cache = tmp_path / "cache"
     load(source, QuantMode.INT8, cache)
-    (entry_dir,) = packed.packed_dir(cache).iterdir()
+    (entry_dir,) = paths.packed_dir(cache).iterdir()
     (pt,) = entry_dir.glob("*.pt")
     pt.write_bytes(pt.read_bytes()[:100])
     _, events = load(source, QuantMode.INT8, cache)
@@ -143,7 +144,7 @@ def test_off_means_off_and_old_entries_age_out(tmp_path: Path, monkeypatch: pyte
     cache = tmp_path / "cache"
     monkeypatch.setenv(packed.ENV, "0")
     _, events = load(source, QuantMode.INT8, cache)
-    assert not packed.packed_dir(cache).exists() and not any(e.stage == "cache" for e in events)
+    assert not paths.packed_dir(cache).exists() and not any(e.stage == "cache" for e in events)
     root = tmp_path / "entries"
     for i in range(6):
         (root / f"e{i}").mkdir(parents=True)

@@ -9,7 +9,7 @@ import pytest
 from specchat.engine import paths
 from specchat.engine.decode import exit_policy
 from specchat.engine.model import native
-from specchat.engine.weights import fetch
+from specchat.engine.weights import fetch, packed
 
 
 def test_models_kernels_and_calibrations_share_the_xdg_cache(
@@ -24,6 +24,9 @@ def test_models_kernels_and_calibrations_share_the_xdg_cache(
     assert fetch.model_dir("some-model") == root / "models" / "some-model"
     assert exit_policy.calibration_path("abc") == root / "calibration" / "abc.json"
     assert native.build_dir("w4a8").parent == root / "kernels"
+    monkeypatch.setenv(packed.ENV, "1")
+    where = packed.entry("ab" * 32)
+    assert where is not None and where.folder.parent == root / "packed"
     monkeypatch.setenv(paths.CACHE_ENV, str(tmp_path / "own"))
     assert exit_policy.calibration_path("abc") == tmp_path / "own" / "calibration" / "abc.json"
     assert native.build_dir("w4a8").parent == tmp_path / "own" / "kernels"
