@@ -529,6 +529,75 @@ def _from_hub(source: GgufSource, dest: Path, progress: Progress | None) -> None
         _remove(work)
 
 
+# -- presets loaded from the published GGUF (as_gguf) -------------------------------
+
+
+def _hub_record(source: GgufSource) -> tuple[str, int]:
+    """The sha256 and size the hub records for an unpinned file (its LFS object)."""
+    from huggingface_hub import HfApi
+
+    (info,) = HfApi().get_paths_info(source.hub_repo, [source.file], expand=True)
+    lfs = getattr(info, "lfs", None)
+    if lfs is None or not getattr(lfs, "sha256", None):
+        raise FetchError(f"{source.hub_repo} records no sha256 for {source.file}; refused")
+    return str(lfs.sha256), int(lfs.size)
+
+
+def _not_fetchable(preset: Preset, why: str) -> FetchError:
+    source = preset.gguf
+    assert source is not None
+    size = f", {human_bytes(source.approx_size)}" if source.approx_size else ""
+    return FetchError(
+        f"{preset.display} cannot be fetched here: {why}; it comes from the Hugging Face hub only "
+        f"(no mirror{size})",
+        hint=f"download {source.file} from https://huggingface.co/{source.hub_repo} where a network "
+        f"allows, then run: specchat --target /path/to/{source.file}",
+    )
+
+
+def published_gguf(preset: Preset, *, fetch: bool = True, progress: Progress | None = None) -> Path:
+    """The verified GGUF of an `as_gguf` preset in the Hugging Face cache, downloaded first
+    when `fetch` and the hub is reachable; FetchError saying why not otherwise."""
+    source = preset.gguf
+    assert source is not None and preset.as_gguf
+    found = _hub_cached(source)
+    if found is not None:
+        if source.pinned:
+            verify_file(found, sha256=source.sha256, size=source.size, label=source.file,
+                        progress=progress, remove_bad=False)  # fmt: skip
+        return found
+    if not fetch:
+        raise FetchError(f"{preset.display} is not in the Hugging Face cache",
+                         hint=f"run: specchat models fetch {preset.name}")  # fmt: skip
+    if _hub_offline() or not hub_reachable():
+        raise _not_fetchable(preset, "huggingface.co is not reachable")
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.utils import disable_progress_bars
+
+    try:
+        sha, size = (source.sha256, source.size) if source.pinned else _hub_record(source)
+        disable_progress_bars()  # its bars would write over a terminal UI; ours report instead
+        _emit(progress, "download", 0, size, "B", f"{source.hub_repo}/{source.file}")
+        got = Path(hf_hub_download(source.hub_repo, source.file, etag_timeout=5))
+        _emit(progress, "download", size, size, "B", f"{source.hub_repo}/{source.file}")
+    except FetchError:
+        raise
+    except Exception as exc:  # the hub's own errors: 404, auth, a cut connection
+        raise _not_fetchable(preset, f"the download failed ({_first_line(exc)})") from exc
+    try:
+        verify_file(got, sha256=sha, size=size, label=source.file, progress=progress, remove_bad=False)
+    except FetchError:
+        for bad in {got.resolve(), got}:  # the hub cache's blob and its link: fetched afresh next time
+            bad.unlink(missing_ok=True)
+        raise
+    return got
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 # -- obtaining the GGUF ----------------------------------------------------------
 
 
@@ -800,6 +869,8 @@ def _converted_problem(
 def _space_needed(preset: Preset, root: Path, keep_gguf: bool) -> tuple[int, int]:
     """(peak bytes a fetch of `preset` still needs, bytes it leaves behind)."""
     source = preset.gguf
+    if source is not None and preset.as_gguf:  # into the Hugging Face cache, not ours
+        return (0, 0) if _hub_cached(source) is not None else (source.approx_size, source.approx_size)
     if source is None or _converted_problem(model_dir(preset.name, root), preset) is None:
         return 0, 0
     final = preset.converted_size + (source.size if keep_gguf else 0)
@@ -875,6 +946,8 @@ def fetch_preset(
                 hint=f"set {preset.local_env} to its folder" if preset.local_env else "",
             )
         return folder
+    if preset.as_gguf:
+        return published_gguf(preset, progress=progress).parent
     root = cache_root(cache_dir)
     out = model_dir(name, root)
     with _locked(root, name, progress):
@@ -914,6 +987,13 @@ def verify_preset(
         digest = weights_sha256(folder, cache_dir=cache_dir, progress=progress)
         return (f"{folder}: local model, weights sha256 {digest}",)
     assert preset.gguf is not None
+    if preset.as_gguf:
+        path = published_gguf(preset, fetch=False, progress=progress)
+        if preset.gguf.pinned:
+            return (f"{path}: matches the published sha256",)
+        digest = sha256_file(path, progress, detail=preset.gguf.file)
+        return (f"{path}: sha256 {digest} (not pinned in this release; checked against the hub's "
+                "record when it was downloaded)",)  # fmt: skip
     root = cache_root(cache_dir)
     out = model_dir(name, root)
     problem = _converted_problem(out, preset, full=True, progress=progress)
@@ -940,6 +1020,11 @@ def remove_preset(name: str, *, cache_dir: Path | str | None = None) -> int:
             f"{preset.display} is a local model outside the cache; not removing it",
             hint="delete its folder yourself if you mean to",
         )
+    if preset.as_gguf:
+        raise FetchError(
+            f"{preset.display} lives in the Hugging Face cache, which other tools share; not removing it",
+            hint="remove it with: hf cache delete (or huggingface-cli delete-cache)",
+        )
     root = cache_root(cache_dir)
     with _locked(root, name, None):
         freed = 0
@@ -959,6 +1044,12 @@ def preset_status(name: str, *, cache_dir: Path | str | None = None) -> PresetSt
         if folder is not None and (folder / "config.json").is_file():
             return PresetStatus(name, "local", folder, 0)
         return PresetStatus(name, "missing", folder, 0, f"set {preset.local_env}")
+    if preset.as_gguf:
+        assert preset.gguf is not None
+        found = _hub_cached(preset.gguf)
+        if found is not None:
+            return PresetStatus(name, "ready", found, found.stat().st_size, "in the Hugging Face cache")
+        return PresetStatus(name, "absent", None, 0, "from the Hugging Face hub only")
     root = cache_root(cache_dir)
     out = model_dir(name, root)
     used = sum(
@@ -1067,6 +1158,10 @@ def resolve(
             digest = weights_sha256(folder, cache_dir=cache_dir)
             return Resolved(preset.display, str(folder), None, digest, source)
         assert preset.gguf is not None
+        if preset.as_gguf:
+            path = published_gguf(preset, fetch=fetch, progress=progress)
+            digest = preset.gguf.sha256 or weights_sha256(path, cache_dir=cache_dir, progress=progress)
+            return Resolved(preset.display, str(path.parent), path.name, digest, source)
         if fetch:
             folder = fetch_preset(source, cache_dir=cache_dir, progress=progress)
         else:

