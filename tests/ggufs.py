@@ -123,6 +123,7 @@ def write_gguf(
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(vocab)  # the embedding's rows; the tokenizer may list fewer ids
     if arch == "llama":
         writer.add_rope_dimension_count(head_dim)
     _tokenizer_fields(writer)

@@ -169,7 +169,7 @@ def _peak_anon(pid: int, process: subprocess.Popen[str]) -> int:
 
 def test_peak_memory_stays_a_few_tensors_above_the_int8_model(tmp_path: Path) -> None:
     """Real widths (hidden 1536, intermediate 8960: the 1.5B's), four layers in Q4_K/Q6_K.
-    The whole model in float32 is 0.75 GB; its largest tensor (a 1536 x 8960 matrix)
+    The whole model in float32 is 0.77 GB; its largest tensor (a 1536 x 8960 matrix)
     55 MB. Loaded tensor by tensor, the peak of the process's anonymous memory grows
     by the int8 model plus at most a layer in float32 (3.4 largest tensors) and the
     one being dequantized with gguf's intermediates: 5.2 measured, 7 allowed (sampled
@@ -177,7 +177,7 @@ def test_peak_memory_stays_a_few_tensors_above_the_int8_model(tmp_path: Path) ->
     test_stream)."""
     if not Path("/proc/self/status").is_file():
         pytest.skip("needs Linux's /proc to sample the process's memory")
-    hidden, inter, vocab, layers = 1536, 8960, 320, 4  # the tiny tokenizer's vocabulary
+    hidden, inter, vocab, layers = 1536, 8960, 4096, 4
     path = tmp_path / "wide.gguf"
     write_gguf(path, hidden=hidden, intermediate=inter, layers=layers, heads=12, kv_heads=2, vocab=vocab,
                tied=True)  # fmt: skip
