@@ -200,3 +200,21 @@ def test_peak_memory_stays_a_few_tensors_above_the_int8_model(tmp_path: Path) ->
           f"{(grew - int8_model) / largest:.1f} largest tensors; float model {float_model / 1e6:.0f} MB")  # fmt: skip
     assert grew < int8_model + 7 * largest, grew
     assert grew < 0.8 * float_model
+
+
+def test_chunked_dequantization_equals_gguf_s_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reader's chunks (a few rows each here) give gguf.dequantize's array bit for bit."""
+    from gguf import GGUFReader, dequantize
+
+    from specchat.engine.weights import gguf_file
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, seed=8)
+    monkeypatch.setattr(gguf_file, "CHUNK_VALUES", 3 * 256)  # three rows of 256 at a time
+    kinds = set()
+    for tensor in GGUFReader(str(path)).tensors:
+        got = gguf_file._dequantized(tensor, dequantize)
+        want = dequantize(tensor.data, tensor.tensor_type)
+        assert got.shape == want.shape and np.array_equal(got, want), tensor.name
+        kinds.add(tensor.tensor_type.name)
+    assert kinds == {"Q4_K", "Q6_K", "F32"}
