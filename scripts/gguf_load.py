@@ -79,23 +79,33 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
     ap.add_argument("--dir", type=Path, default=None, help="where the GGUF and cache go (default: a temp dir)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokenizer", type=Path, default=None,
+                    help="a model folder whose tokenizer the GGUF carries (e.g. the 0.5B draft's, to chat with it)")
+    ap.add_argument("--keep", action="store_true", help="keep the GGUF and its cache, and say where")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     layers = args.layers or shape.layers
     work = Path(tempfile.mkdtemp(prefix="gguf-load-", dir=args.dir))
     try:
         gguf = work / f"{args.shape}-shaped.gguf"
+        tokenizer = None
+        if args.tokenizer is not None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
         t0 = time.perf_counter()
         write_gguf(gguf, hidden=shape.hidden, intermediate=shape.intermediate, layers=layers,
-                   heads=shape.heads, kv_heads=shape.kv_heads, vocab=QWEN_VOCAB, tied=shape.tied)  # fmt: skip
+                   heads=shape.heads, kv_heads=shape.kv_heads, vocab=QWEN_VOCAB, tied=shape.tied,
+                   tokenizer=tokenizer)  # fmt: skip
         print(f"wrote {gguf.stat().st_size / 1e9:.2f} GB ({layers} layers) in {time.perf_counter() - t0:.0f} s",
               file=sys.stderr)  # fmt: skip
         cache = work / "cache"
         cache.mkdir()
         from specchat.engine import paths
 
-        if paths.kernels_dir().is_dir():  # kernels built already are not part of a load
-            (cache / "kernels").symlink_to(paths.kernels_dir())
+        for have in (paths.kernels_dir(), paths.models_dir()):  # kernels built already are not
+            if have.is_dir():  # part of a load; the presets are there for a chat with --keep
+                (cache / have.name).symlink_to(have)
         first = measure(gguf, cache, args.threads)
         second = measure(gguf, cache, args.threads)
         kept = sum(f.stat().st_size for f in (cache / "packed").rglob("*") if f.is_file())
@@ -114,7 +124,10 @@ def main() -> None:
                   f"{int(r['weight_bytes']) / 1e9:.2f} GB |")  # fmt: skip
         print(f"packed entry on disk: {kept / 1e9:.2f} GB")
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if args.keep:
+            print(f"kept: {work} (chat: SPECCHAT_CACHE={work / 'cache'} specchat --target {gguf})")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
@@ -80,22 +81,30 @@ def dequantize_q6_k(raw: np.ndarray, rows: int, cols: int) -> np.ndarray:
     return out.reshape(rows, cols)
 
 
-def _tokenizer_fields(writer: GGUFWriter) -> None:
-    """The tiny byte-level BPE as a GGUF "gpt2" tokenizer."""
-    tok = tiny_tokenizer()
+def _tokenizer_fields(writer: GGUFWriter, tok: Any = None) -> None:
+    """A byte-level BPE tokenizer (the tiny one unless given) as a GGUF "gpt2" tokenizer,
+    as llama.cpp's converter writes Qwen2's: added special tokens are control tokens."""
+    given, tok = tok is not None, tok or tiny_tokenizer()
     spec = json.loads(tok.backend_tokenizer.to_str())
-    vocab = spec["model"]["vocab"]
+    vocab = tok.get_vocab()  # the model's tokens and the added ones
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    added = {i: t for i, t in tok.added_tokens_decoder.items()}
     special = {tok.pad_token_id, tok.bos_token_id, tok.eos_token_id}
+    types = [3 if i in special or (i in added and added[i].special) else 4 if i in added else 1
+             for i in range(len(tokens))]  # fmt: skip
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(tokens)
-    writer.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    writer.add_token_types(types)
     writer.add_token_merges(merges)
-    writer.add_bos_token_id(tok.bos_token_id)
+    writer.add_bos_token_id(tok.bos_token_id if tok.bos_token_id is not None else tok.pad_token_id)
     writer.add_eos_token_id(tok.eos_token_id)
     writer.add_pad_token_id(tok.pad_token_id)
+    if given:  # a real model's: whether it adds a bos, and its chat template
+        writer.add_add_bos_token(bool(getattr(tok, "add_bos_token", False)))
+        if getattr(tok, "chat_template", None):
+            writer.add_chat_template(tok.chat_template)
 
 
 def write_gguf(
@@ -110,8 +119,10 @@ def write_gguf(
     vocab: int = 320,
     tied: bool = False,
     seed: int = 0,
+    tokenizer: Any = None,
 ) -> dict[str, tuple[str, np.ndarray]]:
-    """Write a random model to `path`; returns each tensor's GGUF name -> (type, raw array)."""
+    """Write a random model to `path` (with `tokenizer`'s vocabulary, else the tiny one's);
+    returns each tensor's GGUF name -> (type, raw array)."""
     rng = np.random.default_rng(seed)
     head_dim = hidden // heads
     writer = GGUFWriter(str(path), arch)
@@ -126,7 +137,7 @@ def write_gguf(
     writer.add_vocab_size(vocab)  # the embedding's rows; the tokenizer may list fewer ids
     if arch == "llama":
         writer.add_rope_dimension_count(head_dim)
-    _tokenizer_fields(writer)
+    _tokenizer_fields(writer, tokenizer)
     tensors: dict[str, tuple[str, np.ndarray]] = {}
 
     def matrix(name: str, rows: int, cols: int, kind: str) -> None:
