@@ -19,9 +19,10 @@ class Mode(StrEnum):
     SELF_SPEC = "self-spec"  # the target's own first E layers draft, the full target verifies
     EARLY_EXIT = "early-exit"  # target alone, may stop at an intermediate layer (lossy)
     LOOKUP = "lookup"  # drafts copied from earlier in the conversation (n-gram match), no draft model
+    EAGLE = "eagle"  # a trained head on the target's own hidden states drafts (EAGLE-3), the target verifies
 
 
-SPECULATIVE_MODES = frozenset({Mode.SPEC, Mode.SELF_SPEC, Mode.LOOKUP})  # draft, then verify
+SPECULATIVE_MODES = frozenset({Mode.SPEC, Mode.SELF_SPEC, Mode.LOOKUP, Mode.EAGLE})  # draft, then verify
 
 # The bench's and A/B's name for spec with the draft model alone (compose=False).
 SPEC_ALONE = "spec-alone"

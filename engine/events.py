@@ -133,6 +133,7 @@ class Ready:
     chat_template: bool = True
     load_seconds: float = 0.0
     notes: tuple[str, ...] = ()
+    draft_head: str | None = None  # the draft head --mode eagle drafts with (None: no head)
 
 
 @dataclass(frozen=True, slots=True)

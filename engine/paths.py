@@ -4,7 +4,8 @@
   `~/.cache/specchat`. It holds the converted models (`models/<name>`), the built
   kernels (`kernels/<kernel>-<key>`), early-exit calibrations
   (`calibration/<weights key>.json`), quantized models kept for the next start
-  (`packed/<weights sha256>-<code key>/`) and the file-hash memo (`hashes.json`).
+  (`packed/<weights sha256>-<code key>/`), draft heads trained by `specchat train-draft`
+  (`heads/<weights sha256[:20]>/`) and the file-hash memo (`hashes.json`).
 - the settings file (`config_path`): `$SPECCHAT_CONFIG`, else
   `$XDG_CONFIG_HOME/specchat/config.toml`, else `~/.config/specchat/config.toml`.
 
@@ -45,6 +46,11 @@ def calibration_dir(cache_dir: Path | str | None = None) -> Path:
 
 def packed_dir(cache_dir: Path | str | None = None) -> Path:
     return cache_root(cache_dir) / "packed"
+
+
+def heads_dir(cache_dir: Path | str | None = None) -> Path:
+    """Draft heads trained here, one folder per target's weights (`<sha256[:20]>`)."""
+    return cache_root(cache_dir) / "heads"
 
 
 def hash_memo(cache_dir: Path | str | None = None) -> Path:

@@ -13,7 +13,7 @@ from typing import Any
 
 from specchat.engine.config import Mode
 
-MODE_CYCLE: tuple[Mode, ...] = (Mode.SPEC, Mode.SELF_SPEC, Mode.EARLY_EXIT, Mode.LOOKUP, Mode.PLAIN)
+MODE_CYCLE: tuple[Mode, ...] = (Mode.SPEC, Mode.EAGLE, Mode.SELF_SPEC, Mode.EARLY_EXIT, Mode.LOOKUP, Mode.PLAIN)
 K_CYCLE: tuple[int | None, ...] = (None, 1, 2, 3, 4, 6, 8)
 TEMPERATURE_CYCLE: tuple[float, ...] = (0.0, 0.3, 0.7, 1.0)
 TOP_P_CYCLE: tuple[float, ...] = (1.0, 0.95, 0.9, 0.8)
@@ -63,7 +63,7 @@ SETTINGS: dict[str, Setting] = {
     s.name: s
     for s in (
         Setting("mode", "mode", "Mode", MODE_CYCLE, "f7", "Mode", "Next decoding mode",
-                "spec → self-spec → early-exit → lookup → plain",
+                "spec → eagle (with a draft head) → self-spec → early-exit → lookup → plain",
                 lambda m: f"Mode: {m.value}", lambda m: f"Decode the next replies in {m.value} mode",
                 to_config=Mode, to_action=lambda m: m.value, shown=lambda m: m.value,
                 after=" (from the next reply)"),

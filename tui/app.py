@@ -650,7 +650,11 @@ class SpecChatApp(App[None]):
     def action_cycle(self, name: str) -> None:
         """Move one decode setting to the next value of its cycle (its F-key)."""
         setting = actions.SETTINGS[name]
-        value = setting.step(setting.values, getattr(self.state.decode, setting.field))
+        values = setting.values
+        if name == "mode":  # eagle only where the backend has a draft head
+            ready = self.state.ready
+            values = tuple(m for m in values if m is not Mode.EAGLE or (ready and ready.draft_head))
+        value = setting.step(values, getattr(self.state.decode, setting.field))
         self.action_set_decode(name, setting.to_action(value))
 
     def action_plain_toggle(self) -> None:

@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "bench": "bench",
     "ab": "ab",
     "calibrate": "calibrate",
+    "train-draft": "train_draft",
     "serve-metrics": "serve_metrics",
 }
 

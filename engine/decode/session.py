@@ -31,6 +31,7 @@ from ..events import (
     TurnFinished,
     TurnStarted,
 )
+from ..model.eagle import EagleHead
 from ..model.runner import ModelRunner
 from ..weights.loading import LoadedModel, check_tokenizers_match, load_model, set_threads
 from .compose import ComposedDrafter
@@ -38,6 +39,7 @@ from .controller import Controller
 from .costs import Costs, measure_costs
 from .early_exit import EarlyExitStepper, SelfSpecDrafter
 from .exit_policy import policy_for
+from .head import HeadDrafter, load_draft_head
 from .lookup import LookupDrafter
 from .speculative import (
     Drafter,
@@ -76,6 +78,7 @@ class ChatSession:
         system_prompt: str | None = None,
         max_context: int | None = None,
         load_seconds: float = 0.0,
+        head: EagleHead | None = None,
     ) -> None:
         self.target = target
         self.draft = draft
@@ -92,6 +95,9 @@ class ChatSession:
         self._self_drafter_layer: int | None = None
         self._lookup_drafter: LookupDrafter | None = None
         self._composed: ComposedDrafter | None = None  # spec's lookup-first drafter, made on first use
+        # The draft head (--mode eagle), fed the target's features from its own passes.
+        self.head_drafter = HeadDrafter(head, self.target_runner) if head is not None else None
+        self._composed_head: ComposedDrafter | None = None
         self.system_prompt = system_prompt
         limits = [target.info.context_length]
         if draft:
@@ -135,21 +141,29 @@ class ChatSession:
         system_prompt: str | None = None,
         max_context: int | None = None,
         measure: bool = True,
+        draft_head: str | None = "auto",
     ) -> ChatSession:
-        """Load the models (fetching presets as needed). Raises EngineError."""
+        """Load the models (fetching presets as needed) and the draft head (`draft_head`:
+        a folder or hub id, "auto" for the one trained here for this target, None or
+        "none" for no head). Raises EngineError."""
         set_threads(threads)
         t0 = time.perf_counter()
         tgt = load_model(target, "target", cache_dir=cache_dir, progress=progress)
         drf = load_model(draft, "draft", cache_dir=cache_dir, progress=progress) if draft else None
         if drf is not None:
             check_tokenizers_match(tgt.tokenizer, drf.tokenizer)
+        head, head_note = load_draft_head(draft_head, tgt, cache_dir)
         session = cls(
             tgt,
             drf,
             system_prompt=system_prompt,
             max_context=max_context,
             load_seconds=time.perf_counter() - t0,
+            head=head,
         )
+        if head_note:
+            session._notes.append(head_note)
+            session.ready = session._make_ready()
         if measure and drf is not None:
             session.measure_costs()
         return session
@@ -182,6 +196,7 @@ class ChatSession:
             chat_template=self.has_template,
             load_seconds=self.load_seconds,
             notes=tuple(notes),
+            draft_head=self.head_drafter.describe() if self.head_drafter is not None else None,
         )
 
     def measure_costs(self, k: int = 4, repeats: int = 3) -> Costs:
@@ -241,7 +256,7 @@ class ChatSession:
         self.tokens = []
         self._approx_from = None
         self.target_runner.reset()
-        for d in (self.drafter, self._self_drafter, self._composed, self._lookup_drafter):
+        for d in (*self._drafters(), self._composed, self._composed_head):
             if d is not None:
                 d.reset()
 
@@ -344,7 +359,22 @@ class ChatSession:
             return self._self_drafter, None
         if cfg.mode is Mode.LOOKUP:
             return self._lookup(), None
+        if cfg.mode is Mode.EAGLE:
+            if self.head_drafter is None:
+                return None, (
+                    "no draft head for this target: plain decoding "
+                    "(train one with `specchat train-draft`, or give --draft-head PATH)"
+                )
+            if cfg.compose:
+                if self._composed_head is None:
+                    self._composed_head = ComposedDrafter(self._lookup(), self.head_drafter)
+                return self._composed_head, None
+            return self.head_drafter, None
         return None, None
+
+    def _drafters(self) -> tuple[Drafter | None, ...]:
+        """Every drafter with state of its own (a composed one holds two of these)."""
+        return (self.drafter, self._self_drafter, self._lookup_drafter, self.head_drafter)
 
     def _lookup(self) -> LookupDrafter:
         if self._lookup_drafter is None:
@@ -403,7 +433,7 @@ class ChatSession:
             reuse = min(reuse, self._approx_from)
             self._approx_from = None
         self.target_runner.crop_to(reuse)
-        for d in (self.drafter, self._self_drafter, self._lookup_drafter):
+        for d in self._drafters():
             if d is not None:
                 d.rollback(reuse)
         return reuse

@@ -94,12 +94,36 @@ class LayerStack:
         `exactness` plans (one at a time where a block must score as steps do),
         and so do the native layers.
         """
+        return self.forward_capturing(ids, cache, past, keep, exactness, ())[0]
+
+    def forward_capturing(
+        self,
+        ids: Tensor,
+        cache: DynamicCache,
+        past: int,
+        keep: int,
+        exactness: Exactness,
+        capture: tuple[int, ...],
+    ) -> tuple[Tensor, Tensor | None]:
+        """`forward`, and the residual stream entering each layer in `capture`, side by
+        side for every fed row: (logits [keep, V], features [n, len(capture) * H] or None).
+
+        The layers run in ranges split at the captured layers: the same operations
+        as one call, so the logits keep their bits.
+        """
         n = int(ids.shape[-1])
+        taken: dict[int, Tensor] = {}
         with RowsApart(exactness.fixed) if RowsApart.needed(exactness, n) else nullcontext():
             p = self.begin(ids, cache, past)
-            h = self.run(p, 0, self.num_layers, exactness.rows)
+            start = 0
+            for stop in sorted(set(capture)):
+                h = self.run(p, start, stop, exactness.rows) if stop > start else p.h
+                taken[stop] = h[0]
+                start = stop
+            h = self.run(p, start, self.num_layers, exactness.rows)
             logits: Tensor = self.head(self.inner.norm(h)[:, -keep:])
-        return logits[0]
+        feats = torch.cat([taken[i] for i in capture], dim=-1) if capture else None
+        return logits[0], feats
 
     def run(self, p: Pass, start: int, stop: int, rows: int = BATCHED) -> Tensor:
         """Layers start..stop-1 (0-based); appends their K/V to p.cache; returns p.h [1, S, H].

@@ -17,6 +17,7 @@ distribution and equal to plain up to floating-point ties).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
@@ -47,6 +48,11 @@ class ModelRunner:
         # (engine/model/decoder.py); `native_off` says why not otherwise.
         self.native, self.native_off = native_decoder(model, self.exactness)
         self._stack: LayerStack | None = None
+        # Features for a draft head (model/eagle.py): the residual stream entering these
+        # layers, handed to `on_features(first position, [n, len(capture) * H])` for every
+        # fed row, from the pass that computes the logits anyway.
+        self.capture: tuple[int, ...] = ()
+        self.on_features: Callable[[int, Tensor], None] | None = None
 
     @property
     def stack(self) -> LayerStack | None:
@@ -77,8 +83,12 @@ class ModelRunner:
         if n == 0:
             raise ValueError("feed() needs at least one new token")
         stack = self.stack
+        capture = self.capture if self.on_features is not None else ()
         if stack is not None and self.native is not None and self.native.usable(self.cache, self.cached, n):
-            logits = stack.forward(ids, self.cache, self.cached, min(keep, n), self.exactness)
+            logits, feats = stack.forward_capturing(
+                ids, self.cache, self.cached, min(keep, n), self.exactness, capture
+            )
+            self._hand_over(feats)
             self.cached += n
             return logits
         # The first pass of a conversation (it makes the caches), blocks past MAX_ROWWISE
@@ -91,9 +101,16 @@ class ModelRunner:
                 cache=self.cache,
                 use_cache=True,
                 logits_to_keep=min(keep, n),
+                output_hidden_states=bool(capture),
             )
+        if capture:  # hidden_states[i]: the residual stream entering layer i
+            self._hand_over(torch.cat([out.hidden_states[i][0] for i in capture], dim=-1))
         self.cached += n
         return out.logits[0]  # [keep, V]
+
+    def _hand_over(self, feats: Tensor | None) -> None:
+        if feats is not None and self.on_features is not None:
+            self.on_features(self.cached, feats)
 
     def forward(self, seq: list[int], keep: int = 1) -> Tensor:
         """Feed seq[cached:] (at least one token) and return the last `keep` logits."""

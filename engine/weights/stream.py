@@ -87,6 +87,11 @@ class _Checkpoint:
         return tensor
 
 
+def read_tensor(folder: Path | str, name: str) -> torch.Tensor:
+    """One tensor of a model folder's safetensors files, as stored (KeyError if absent)."""
+    return _Checkpoint(Path(folder)).get(name)
+
+
 def _offsets(path: Path) -> dict[str, int]:
     """Each tensor's byte offset in a .safetensors file, from its header."""
     with path.open("rb") as f:

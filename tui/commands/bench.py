@@ -150,6 +150,7 @@ def load_session(args: argparse.Namespace, console: Any, label: str = "") -> Any
             cache_dir=Path(args.cache_dir) if args.cache_dir else None,
             progress=progress,
             threads=args.threads,
+            draft_head=getattr(args, "draft_head", "auto"),
         )
     console.print(f"[dim]{f'config {label}: ' if label else ''}{session.ready.summary}[/dim]")
     for note in session.ready.notes:

@@ -82,6 +82,7 @@ def _engine_loader(args: argparse.Namespace):  # type: ignore[no-untyped-def]
             cache_dir=Path(args.cache_dir).expanduser() if args.cache_dir else None,
             progress=progress,
             threads=args.threads,
+            draft_head=getattr(args, "draft_head", "auto"),
         )
 
     return load

@@ -50,6 +50,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "(cheaper drafts; output stays exact)",
     )
     g.add_argument(
+        "--draft-head",
+        default="auto",
+        metavar="PATH_OR_ID",
+        help="draft head for --mode eagle: a folder in the speculators EAGLE-3 layout, a "
+        "Hugging Face id, 'auto' (the head `specchat train-draft` saved for this target) "
+        "or 'none'",
+    )
+    g.add_argument(
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],

@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
             cache_dir=Path(args.cache_dir) if args.cache_dir else None,
             progress=progress,
             threads=args.threads,
+            draft_head=getattr(args, "draft_head", "auto"),
             system_prompt=args.system,
         )
     except EngineError as exc:

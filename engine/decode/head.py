@@ -1,0 +1,167 @@
+"""The draft head as a drafter: EAGLE-3 rows fed the target's features from the pass it ran.
+
+The target runner hands over the residual stream entering the head's feature
+layers for every row it feeds (`ModelRunner.capture`), so a verify pass
+yields the features the next round drafts from: the round never runs the
+target twice. Features are kept by position; the head's own cache holds one
+row per confirmed position j (target features f_j and the next token
+x_{j+1}), and a round's chain rows (the head's own outputs as features) are
+dropped again when the round rolls back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from ..config import DecodeConfig
+from ..errors import EngineError
+from ..model.eagle import EagleHead, HeadCache
+from ..model.eagle_io import find_head, for_decoding, load_head
+from ..model.runner import ModelRunner
+from ..weights.loading import LoadedModel
+from .speculative import Proposal, draft_chain
+
+
+class HeadDrafter:
+    """An `EagleHead` over a target runner; implements `Drafter`."""
+
+    def __init__(self, head: EagleHead, target: ModelRunner, name: str = "draft head") -> None:
+        self.head = head
+        self.target = target
+        self.name = name
+        self.embed: nn.Module = target.model.get_input_embeddings()
+        self.cache = HeadCache()
+        self.confirmed = 0  # head rows 0..confirmed-1 came from the target's features
+        self._feats: Tensor | None = None  # [T, F] by position
+        self.fresh = 0  # features of positions 0..fresh-1 belong to the current sequence
+        param = next(head.parameters(), None)
+        self.dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
+        target.capture = head.config.aux_layers
+        target.on_features = self._store
+
+    def describe(self) -> str:
+        c = self.head.config
+        return (
+            f"{self.head.parameter_count() / 1e6:.1f}M, features of layers "
+            f"{', '.join(map(str, c.aux_layers))}, draft vocabulary {c.draft_vocab_size}"
+        )
+
+    def _store(self, start: int, feats: Tensor) -> None:
+        """The target fed positions start..start+n-1: keep their features [n, F]."""
+        n = int(feats.shape[0])
+        buf = self._feats
+        if buf is None or buf.shape[0] < start + n:
+            grown = feats.new_zeros((max(2 * (start + n), 256), feats.shape[1]), dtype=self.dtype)
+            if buf is not None:
+                grown[: buf.shape[0]] = buf
+            buf = self._feats = grown
+        buf[start : start + n] = feats.to(self.dtype)
+        if start <= self.fresh:
+            self.fresh = start + n  # later positions were cropped from the target
+
+    def catch_up(self, seq: list[int]) -> None:
+        """Where the target's cache holds positions whose features were never captured
+        (turns decoded another way), recompute them: a one-off target pass, untimed."""
+        need = len(seq) - 1
+        if self.fresh < min(need, self.target.cached):
+            self.target.crop_to(self.fresh)
+        if self.fresh < need:
+            self.target.prefill(seq)
+
+    @torch.inference_mode()
+    def _rows(self, seq: list[int]) -> tuple[Tensor, Tensor]:
+        """Bring the head to the target's rows of seq: (logits [Vd] after seq, output [H])."""
+        m = len(seq) - 1  # rows 0..m-1: features f_j of seq[j], token seq[j + 1]
+        if self.fresh < m or self._feats is None:
+            raise RuntimeError(f"the head has target features for {self.fresh} of {m} positions")
+        start = min(self.cache.cached, self.confirmed, m - 1)
+        self.cache.crop(start)
+        ids = torch.tensor(seq[start + 1 : m + 1], dtype=torch.long, device=self._feats.device)
+        out, logits = self.head.step(
+            self.embed(ids).to(self.dtype), self._feats[start:m], self.cache
+        )
+        self.confirmed = m
+        return logits[-1], out[-1:]
+
+    def propose(
+        self, seq: list[int], k: int, cfg: DecodeConfig, generator: torch.Generator | None
+    ) -> Proposal:
+        if len(seq) < 2:
+            return Proposal(torch.zeros(0, dtype=torch.long))
+        with torch.inference_mode():
+            first, state = self._rows(seq)
+            last = [state]
+
+            def step(tok: Tensor) -> Tensor:
+                out, logits = self.head.step(self.embed(tok).to(self.dtype), last[0], self.cache)
+                last[0] = out
+                return self.head.to_target_logits(logits)[0]
+
+            return draft_chain(
+                self.head.to_target_logits(first.view(1, -1))[0], step, k, cfg, generator
+            )
+
+    def rollback(self, n: int) -> None:
+        """Keep rows of confirmed positions j < n - 1 (their next token is seq[j + 1])."""
+        self.confirmed = min(self.confirmed, max(n - 1, 0))
+        self.cache.crop(self.confirmed)
+        self.fresh = min(self.fresh, n)
+
+    def reset(self) -> None:
+        self.cache = HeadCache()
+        self.confirmed = 0
+        self.fresh = 0
+
+    def detach(self) -> None:
+        """Stop taking the target's features (another head replaces this one)."""
+        if self.target.on_features == self._store:
+            self.target.on_features = None
+            self.target.capture = ()
+
+
+def load_draft_head(
+    source: str | None, target: LoadedModel, cache_dir: Path | str | None = None
+) -> tuple[EagleHead | None, str | None]:
+    """The draft head for `target` from `source` (a folder, a Hugging Face id, "auto" for
+    the one trained here, None or "none"), ready to decode, and a note saying what was
+    loaded; (None, None) where "auto" finds none. Raises EngineError for a head that is
+    missing, corrupt, or made for other weights."""
+    if source is None or source == "none":
+        return None, None
+    if source == "auto":
+        folder = find_head(target.weights_sha256, cache_dir)
+        if folder is None:
+            return None, None
+    else:
+        folder = Path(source).expanduser()
+        if not folder.exists():
+            folder = _from_hub(source)
+    head = load_head(
+        folder, target_sha256=target.weights_sha256, target_config=target.model.config
+    )
+    head, how = for_decoding(head, target.device)
+    c = head.config
+    return head, (
+        f"draft head {folder} ({head.parameter_count() / 1e6:.1f}M, {how}; features of layers "
+        f"{', '.join(map(str, c.aux_layers))}; draft vocabulary {c.draft_vocab_size}): --mode eagle"
+    )
+
+
+def _from_hub(repo_id: str) -> Path:
+    """A published head, fetched from the Hugging Face hub where a network allows."""
+    if repo_id.count("/") != 1 or repo_id.startswith((".", "/", "~")):
+        raise EngineError(
+            f"no draft head at {repo_id}", hint="give a folder with config.json and model.safetensors"
+        )
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=["config.json", "*.safetensors"]))
+    except Exception as exc:
+        raise EngineError(
+            f"the draft head {repo_id} cannot be fetched: {str(exc).splitlines()[0]}",
+            hint="download it where a network is, and give its folder with --draft-head PATH",
+        ) from exc

@@ -1,0 +1,686 @@
+"""Training a draft head for a target where the user is (`specchat train-draft`).
+
+Stages, each with progress and a share of the time budget:
+
+1. **replies**: the target's own greedy replies to the shipped prompt set
+   (engine/tools/train_prompts.py): what the head must predict is the target.
+2. **text**: docstrings of the Python standard library, asked for and
+   answered in the chat template: prose and code every machine running
+   specchat has, close to what chat replies look like.
+3. **features**: one teacher-forced target pass per sequence through the
+   runner's own prefill, capturing the residual stream entering the head's
+   feature layers and the target's final normed hidden state at every
+   position: its LM head over the draft vocabulary is the soft label.
+4. **train**: EAGLE-3's training-time test (`EagleHead.unrolled`, `TTT_STEPS`
+   unrolled draft steps), forward KL to the target's distribution over the
+   draft vocabulary, equal weight per step. The LM head starts as the
+   target's own rows for the draft vocabulary and stays frozen, as
+   speculators trains it; `fc` starts as the identity on the high-layer features.
+5. **validate**: on held-out replies, acceptance by draft position, mean
+   accepted length at K = 1..6 and the speedup the measured costs predict.
+
+Work lives in `<cache>/heads/<weights sha256[:20]>/` (the head itself, in the
+speculators layout, engine/model/eagle_io.py) and its `work/` folder (the
+collected data and a checkpoint): an interrupted run resumes from both, and a
+later run with more minutes trains on.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import copy
+import functools
+import hashlib
+import math
+import random
+import sys
+import sysconfig
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..config import DecodeConfig, Mode
+from ..events import LoadProgress, TokenEvent
+from ..model import cpu
+from ..model.eagle import EagleHead, HeadCache, HeadConfig, init_head
+from ..model.eagle_io import for_decoding, head_facts, save_head
+from ..model.runner import ModelRunner
+from ..weights.loading import LoadedModel
+from .train_prompts import PROMPTS, split
+
+TTT_STEPS = 3
+EVAL_K = 6
+WORK = "work"
+
+Progress = Callable[[LoadProgress], None]
+
+
+@dataclass
+class TrainOptions:
+    minutes: float = 10.0
+    draft_vocab: int = 16384
+    intermediate: int | None = None  # None: the target's, at most twice the hidden size
+    lr: float = 1e-3
+    max_len: int = 640  # tokens per training sequence
+    reply_tokens: int = 128
+    max_steps: int | None = None  # tests: stop after this many optimizer steps
+    max_texts: int = 4000  # standard-library answers at most
+    seed: int = 0
+    eval_every_s: float = 120.0
+    prompts: tuple[str, ...] = PROMPTS
+    out: Path | None = None  # default: the cache's heads/<sha>/
+    weights: Path | None = None  # the target's float checkpoint folder (its LM head, if quantized)
+
+
+@dataclass
+class Sequence:
+    ids: list[int]
+    start: int  # first reply position (its token is predicted from position start - 1)
+    held_out: bool = False
+    feats: Tensor | None = None  # [S, F] bfloat16: the residual stream entering the feature layers
+    last: Tensor | None = None  # [S, H] bfloat16: the target's final normed hidden state
+
+
+@dataclass
+class TrainResult:
+    folder: Path
+    head: EagleHead
+    report: dict[str, Any]
+    curve: list[dict[str, float]] = field(default_factory=list)
+
+
+def weights_id(target: LoadedModel) -> str:
+    """The target weights' SHA-256, or one of its tensors' bytes for a model built in code."""
+    if target.weights_sha256:
+        return target.weights_sha256
+    digest = hashlib.sha256()
+    for name, t in sorted(target.model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(t.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def head_folder(target: LoadedModel, cache_dir: Path | str | None = None) -> Path:
+    from .. import paths
+
+    return paths.heads_dir(cache_dir) / weights_id(target)[:20]
+
+
+# -- 1 and 2: the sequences ---------------------------------------------------------
+
+
+def target_replies(
+    target: LoadedModel, prompts: list[str], tokens: int, deadline: float, report: Progress,
+    held_out: bool,
+) -> Iterator[Sequence]:
+    """The target's greedy reply to each prompt, until the deadline."""
+    from ..decode.session import ChatSession
+
+    session = ChatSession(target)
+    cfg = DecodeConfig(mode=Mode.PLAIN, max_new_tokens=tokens)
+    for i, prompt in enumerate(prompts):
+        if time.monotonic() > deadline:
+            return
+        session.reset(drop_caches=True)
+        ids = session.render([("user", prompt)])
+        reply = [e.token_id for e in session.stream(prompt, cfg) if isinstance(e, TokenEvent)]
+        report(LoadProgress("replies", i + 1, len(prompts), "held out" if held_out else ""))
+        if reply:
+            yield Sequence(ids + reply, len(ids), held_out)
+
+
+def stdlib_answers(limit: int, seed: int) -> list[tuple[str, str]]:
+    """(question, answer) pairs from the docstrings of the Python standard library."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if not p.name.startswith("_"))
+    files += sorted(root.glob("*/__init__.py"))
+    pairs: list[tuple[str, str]] = []
+    for path in files:
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        module = path.stem if path.name != "__init__.py" else path.parent.name
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef | ast.ClassDef | ast.Module):
+                continue
+            doc = ast.get_docstring(node)
+            if not doc or len(doc) < 200:
+                continue
+            name = module if isinstance(node, ast.Module) else f"{module}.{node.name}"
+            kind = "module" if isinstance(node, ast.Module) else (
+                "class" if isinstance(node, ast.ClassDef) else "function")
+            pairs.append((f"What does the Python {kind} `{name}` do?", doc[:1500]))
+    random.Random(seed).shuffle(pairs)
+    return pairs[:limit]
+
+
+def text_sequences(target: LoadedModel, pairs: list[tuple[str, str]], max_len: int) -> list[Sequence]:
+    from ..decode.text import render_chat
+
+    tok = target.tokenizer
+    out = []
+    for question, answer in pairs:
+        ids = render_chat(tok, [{"role": "user", "content": question}])
+        reply = list(tok(answer, add_special_tokens=False)["input_ids"])
+        if reply:
+            out.append(Sequence((ids + reply)[:max_len], len(ids)))
+    return [s for s in out if len(s.ids) > s.start + 1]
+
+
+# -- 3: features and labels ---------------------------------------------------------------
+
+
+@torch.inference_mode()
+def featurize(runner: ModelRunner, seq: Sequence, layers: tuple[int, ...]) -> None:
+    """One target pass over seq: its features [S, F] and final normed hidden states [S, H].
+
+    The label of each position, the target's distribution, is its LM head over those
+    hidden states, computed in training over the draft vocabulary only (as speculators
+    does): the pass itself scores one row, not S rows of the full vocabulary.
+    """
+    got: list[Tensor] = []
+    normed: list[Tensor] = []
+    norm = runner.model.model.norm  # type: ignore[union-attr]
+    hook = norm.register_forward_hook(lambda _m, _i, out: normed.append(out[0]))
+    runner.capture = layers
+    runner.on_features = lambda _start, f: got.append(f)
+    try:
+        runner.reset()
+        runner.feed(seq.ids, keep=1)
+    finally:
+        hook.remove()
+        runner.on_features = None
+        runner.capture = ()
+        runner.reset()
+    seq.feats = torch.cat(got).to(torch.bfloat16)
+    seq.last = torch.cat(normed).to(torch.bfloat16)
+
+
+def draft_vocabulary(seqs: list[Sequence], size: int, vocab: int) -> Tensor:
+    """The `size` target ids most frequent among the reply tokens, padded with the lowest
+    unused ids (speculators' rule: ties and padding by lower id)."""
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    for s in seqs:
+        reply = torch.tensor(s.ids[s.start :], dtype=torch.long)
+        counts.index_add_(0, reply, torch.ones(reply.numel(), dtype=torch.float64))
+    order = torch.argsort(-counts, stable=True)  # ties: lower id first
+    return order[:size].sort().values
+
+
+# -- 4: training ----------------------------------------------------------------------------
+
+
+def new_head(target: LoadedModel, opts: TrainOptions, vocab_ids: Tensor, sha: str) -> EagleHead:
+    """A head for the target: its LM head the target's rows where they are float, frozen."""
+    config = target.model.config
+    cfg = HeadConfig.for_target(
+        config,
+        draft_vocab=int(vocab_ids.numel()),
+        # An MLP of twice the width, not the target's ~6x: 1.6x the training tokens/s on
+        # a 2-core CPU and a third of the head's bytes a draft step (1.5B: 3,072 vs 8,960).
+        intermediate=opts.intermediate or min(int(config.intermediate_size), 2 * int(config.hidden_size)),
+        target_name=target.info.source,
+        target_sha256=sha,
+    )
+    head = init_head(EagleHead(cfg), opts.seed)
+    head.set_vocab(vocab_ids)
+    rows = _target_head_rows(target, head.draft_to_target, opts.weights)
+    with torch.no_grad():
+        if rows is not None:  # the target's own rows, frozen (speculators does the same)
+            head.lm_head.weight.copy_(rows)
+            head.lm_head.weight.requires_grad_(False)
+        # Start from the high-layer features alone (fc the identity on them) and a layer
+        # near the identity: the first steps refine a sensible guess instead of undoing a
+        # random projection (loss at step 0: 27 against 40 nats over 3 steps, 1.5B target).
+        hidden, ht = cfg.hidden_size, cfg.target_hidden_size
+        if hidden == ht:
+            head.fc.weight.zero_()
+            head.fc.weight[:, -ht:] = torch.eye(ht)
+        head.layer.self_attn.o_proj.weight.mul_(0.1)
+        head.layer.mlp.down_proj.weight.mul_(0.1)
+    return head
+
+
+def _target_head_rows(target: LoadedModel, ids: Tensor, weights: Path | None = None) -> Tensor | None:
+    """The target's float LM-head rows for ids: its module's, its tied embedding's, or read
+    from its checkpoint folder when the loaded head is quantized; None if none of these."""
+    out = target.model.get_output_embeddings()
+    weight = getattr(out, "weight", None)
+    if isinstance(weight, Tensor) and weight.is_floating_point() and weight.device.type != "meta":
+        return weight.detach()[ids].float().cpu()
+    tied = bool(getattr(target.model.config, "tie_word_embeddings", False))
+    if tied:
+        emb = getattr(target.model.get_input_embeddings(), "weight", None)
+        if isinstance(emb, Tensor):
+            return emb.detach()[ids].float().cpu()
+    if weights is not None:
+        from ..weights.stream import read_tensor
+
+        with contextlib.suppress(OSError, KeyError, ValueError):
+            name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+            return read_tensor(weights, name)[ids].float()
+    return None
+
+
+def label_logits(target: LoadedModel, ids: Tensor, weights: Path | None = None) -> Callable[[Tensor], Tensor]:
+    """The target's logits over draft ids from its final normed hidden states [n, H]
+    (through its quantized LM head over the whole vocabulary where no float rows exist)."""
+    rows = _target_head_rows(target, ids, weights)
+    if rows is not None:
+        rows = rows.to(target.device)
+        return lambda h: h.float() @ rows.T
+    head = target.model.get_output_embeddings()
+    index = ids.to(target.device)
+    return lambda h: head(h.float())[:, index].float()
+
+
+def autocast_dtype(device: torch.device) -> tuple[torch.dtype | None, str]:
+    """bfloat16 autocast where the hardware multiplies bfloat16 natively, else float32."""
+    if device.type == "cuda":
+        return torch.bfloat16, "CUDA: bfloat16 autocast"
+    have = cpu.features()
+    if have.amx or have.avx512_bf16:
+        return torch.bfloat16, f"CPU with {'AMX' if have.amx else 'AVX512-BF16'}: bfloat16 autocast"
+    return None, "CPU without bfloat16 arithmetic: float32"
+
+
+def sequence_loss(
+    head: EagleHead, embed: torch.nn.Module, seq: Sequence, labels: Callable[[Tensor], Tensor],
+    steps: int,
+) -> tuple[Tensor, int, list[float]]:
+    """Forward KL to the target over the draft vocabulary (soft labels), summed over the
+    unrolled steps: (loss, labelled rows, top-1 agreement with the target per step)."""
+    assert seq.feats is not None and seq.last is not None
+    dev = head.norm.weight.device
+    s = len(seq.ids)
+    ids = torch.tensor(seq.ids, device=dev)
+    embeds = embed(ids[1:]).float()  # row j: x_{j+1}
+    feats = seq.feats[: s - 1].to(dev).float()  # row j: f_j
+    with torch.no_grad():  # row j predicts x_{j+2}: the target's distribution at position j + 1
+        target_logits = labels(seq.last[1:].to(dev))  # [S-1, Vd]
+        p = torch.softmax(target_logits.float(), dim=-1)
+        best = target_logits.argmax(-1)
+    rows = torch.arange(s - 1, device=dev)
+    reply = rows >= seq.start - 2  # rows whose predicted token x_{j+2} is a reply token
+    outs = head.unrolled(embeds, feats, steps)
+    total = embeds.new_zeros(())
+    agree: list[float] = []
+    n_rows = 0
+    for step, logits in enumerate(outs):
+        valid = reply & (rows >= step)
+        if not bool(valid.any()):
+            agree.append(0.0)
+            continue
+        logq = torch.log_softmax(logits[valid].float(), dim=-1)  # [n, Vd]
+        total = total - (p[valid] * logq).sum(-1).mean()
+        agree.append(float((logits[valid].argmax(-1) == best[valid]).float().mean()))
+        n_rows = max(n_rows, int(valid.sum()))
+    return total, n_rows, agree
+
+
+# -- 5: validation ----------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def validate(head: EagleHead, embed: torch.nn.Module, seqs: list[Sequence], k: int = EVAL_K) -> dict[str, Any]:
+    """Greedy acceptance on held-out target replies: a chain leaving the target at row m
+    accepts draft s while every draft up to s equals the target's greedy token.
+
+    Returns acceptance by position (P(draft s accepted | drafts before it were)),
+    mean accepted drafts per round at K = 1..k and the positions it saw."""
+    t2d = head.target_to_draft()
+    accepted_at = torch.zeros(k)  # chains whose first s+1 drafts were accepted
+    chains = 0
+    dev = head.norm.weight.device
+    for seq in seqs:
+        assert seq.feats is not None
+        s = len(seq.ids)
+        ids = torch.tensor(seq.ids, device=dev)
+        outs = head.unrolled(embed(ids[1:]).float(), seq.feats[: s - 1].to(dev).float(), k)
+        # Held-out sequences are the target's greedy replies: x_{j+2} is its greedy token
+        # (an id outside the draft vocabulary, -1, is never drafted).
+        greedy = torch.cat([t2d[ids[2:]], t2d.new_full((1,), -1)])  # [S-1]
+        hits = torch.stack([o.argmax(-1) == greedy for o in outs])  # [k, S-1] step s at row j
+        for m in range(max(seq.start - 2, 0), s - 1 - k):
+            run = torch.stack([hits[i, m + i] for i in range(k)]).long()
+            prefix = torch.cumprod(run, 0)
+            accepted_at += prefix.float()
+            chains += 1
+    if not chains:
+        return {"chains": 0}
+    reach = accepted_at / chains  # P(first s+1 drafts accepted)
+    by_position = [float(reach[0])] + [
+        float(reach[i] / reach[i - 1]) if reach[i - 1] > 0 else 0.0 for i in range(1, k)
+    ]
+    mean_accepted = {K: float(reach[:K].sum()) for K in range(1, k + 1)}
+    return {"chains": chains, "acceptance_by_position": by_position, "mean_accepted": mean_accepted}
+
+
+def predicted_speedup(mean_accepted: dict[int, float], c: float, verify: Callable[[int], float]) -> dict[int, float]:
+    """(1 + accepted(K)) / (K c + v(K)) for each K: tokens per round over its cost in target steps."""
+    return {K: (1 + a) / (K * c + verify(K)) for K, a in mean_accepted.items()}
+
+
+def measure_head_cost(
+    head: EagleHead, runner: ModelRunner, embed: torch.nn.Module, repeats: int = 5
+) -> tuple[float, float, dict[int, float]]:
+    """(one head draft step ms, one target decode step ms, verify of K drafts in target
+    steps for K = 1..EVAL_K), medians of `repeats`, on a 64-token context."""
+    dev = head.norm.weight.device
+    ids = list(range(1, 65))
+    runner.reset()
+    runner.feed(ids, keep=1)
+
+    def target_pass(n: int) -> float:
+        t0 = time.perf_counter()
+        runner.feed(list(range(3, 3 + n)), keep=n)
+        ms = (time.perf_counter() - t0) * 1e3
+        runner.crop_to(len(ids))
+        return ms
+
+    def median(f: Callable[[], float]) -> float:
+        return sorted(f() for _ in range(repeats))[repeats // 2]
+
+    cache = HeadCache()
+    with torch.inference_mode():
+        feats = torch.zeros(63, head.fc.in_features, device=dev)
+        head.step(embed(torch.tensor(ids[1:], device=dev)).float(), feats, cache)
+        state = torch.zeros(1, head.config.hidden_size, device=dev)
+        tok = torch.tensor([7], device=dev)
+
+        def head_step() -> float:
+            t0 = time.perf_counter()
+            _out, logits = head.step(embed(tok).float(), state, cache)
+            head.to_target_logits(logits).argmax(-1).item()
+            ms = (time.perf_counter() - t0) * 1e3
+            cache.crop(63)
+            return ms
+
+        target_ms = median(lambda: target_pass(1))
+        verify = {}
+        for k in range(1, EVAL_K + 1):
+            verify[k] = median(functools.partial(target_pass, k + 1)) / target_ms
+        head_ms = median(head_step)
+    runner.reset()
+    return head_ms, target_ms, verify
+
+
+# -- the whole run -------------------------------------------------------------------------
+
+
+@dataclass
+class Budget:
+    """Deadlines for the stages, from the start and the minutes given."""
+
+    start: float
+    seconds: float
+
+    def at(self, share: float) -> float:
+        return self.start + share * self.seconds
+
+    @property
+    def end(self) -> float:
+        return self.start + self.seconds
+
+
+def _save_data(path: Path, seqs: list[Sequence], state: dict[str, int]) -> None:
+    tmp = path.with_name(path.name + ".part")
+    torch.save({"state": state, "seqs": [vars(q) for q in seqs if q.feats is not None]}, tmp)
+    tmp.replace(path)
+
+
+def _load_data(path: Path) -> tuple[list[Sequence], dict[str, int]]:
+    """What an earlier run collected; nothing where the file is missing, torn or old."""
+    try:
+        saved = torch.load(path, weights_only=True)
+        return [Sequence(**row) for row in saved["seqs"]], dict(saved["state"])
+    except Exception:
+        return [], {"asked": 0, "texts": 0}
+
+
+def collect(
+    target: LoadedModel, opts: TrainOptions, work: Path, budget: Budget, report: Progress,
+    tell: Callable[[str], None], stopped: Callable[[], bool],
+) -> list[Sequence]:
+    """Stages 1-3, kept in work/data.pt: a later run goes on where this one stopped."""
+    data_path = work / "data.pt"
+    seqs, state = _load_data(data_path)
+    if seqs:
+        tell(f"resuming with {len(seqs)} sequences collected before")
+    train_prompts, held_prompts = split(opts.prompts)
+    if not any(q.held_out for q in seqs):
+        seqs += target_replies(target, held_prompts, opts.reply_tokens, budget.at(0.1), report, True)
+    fresh = list(
+        target_replies(target, train_prompts[state["asked"] :], opts.reply_tokens, budget.at(0.3), report, False)
+    )
+    state["asked"] += len(fresh)
+    pairs = stdlib_answers(opts.max_texts, opts.seed)[state["texts"] :]
+    texts = text_sequences(target, pairs, opts.max_len)
+    runner = ModelRunner(target.model, target.device)
+    layers = HeadConfig.for_target(target.model.config).aux_layers
+    todo = [q for q in seqs if q.feats is None] + fresh
+    tell(f"features: {len(todo)} replies and up to {len(texts)} texts through the target")
+    for i, q in enumerate([*todo, *texts]):
+        if i >= len(todo) and (time.monotonic() > budget.at(0.5) or stopped()):
+            break
+        q.ids = q.ids[: opts.max_len]
+        featurize(runner, q, layers)
+        if i >= len(todo):
+            state["texts"] += 1
+        report(LoadProgress("features", i + 1, len(todo) + len(texts)))
+    seqs = [q for q in [*seqs, *todo, *texts] if q.feats is not None]
+    seqs = list({id(q): q for q in seqs}.values())
+    _save_data(data_path, seqs, state)
+    return seqs
+
+
+def train(
+    target: LoadedModel,
+    opts: TrainOptions,
+    progress: Progress | None = None,
+    cancel: Any = None,
+    cache_dir: Path | str | None = None,
+    say: Callable[[str], None] | None = None,
+) -> TrainResult:
+    """Collect, featurize, train and validate within opts.minutes; resumable (module doc)."""
+    report = progress or (lambda _e: None)
+    tell = say or (lambda _m: None)
+    stopped = cancel.is_set if cancel is not None else (lambda: False)
+    sha = weights_id(target)
+    folder = Path(opts.out) if opts.out else head_folder(target, cache_dir)
+    work = folder / WORK
+    work.mkdir(parents=True, exist_ok=True)
+    budget = Budget(time.monotonic(), opts.minutes * 60)
+    torch.manual_seed(opts.seed)
+    embed = target.model.get_input_embeddings()
+    seqs = collect(target, opts, work, budget, report, tell, stopped)
+    held = [q for q in seqs if q.held_out]
+    trainset = [q for q in seqs if not q.held_out]
+    if not trainset:
+        raise ValueError("no training data was collected in the time given: give more --minutes")
+    tokens = sum(len(q.ids) - q.start for q in trainset)
+    tell(f"data: {len(trainset)} sequences ({tokens} reply tokens), {len(held)} held out")
+
+    # 4. The head: a checkpoint's, or new over the draft vocabulary this data suggests.
+    ckpt_path = work / "checkpoint.pt"
+    ckpt = _load_checkpoint(ckpt_path, sha)
+    if ckpt is not None:
+        head = EagleHead(HeadConfig(**{**ckpt["config"], "aux_layers": tuple(ckpt["config"]["aux_layers"])}))
+        head.load_state_dict(ckpt["head"])
+        head.lm_head.weight.requires_grad_(not ckpt["frozen_lm_head"])
+        tell(f"resuming training at step {ckpt['step']} ({ckpt['seconds']:.0f} s trained)")
+    else:
+        vocab_ids = draft_vocabulary(seqs, min(opts.draft_vocab, target.model.config.vocab_size),
+                                     int(target.model.config.vocab_size))
+        head = new_head(target, opts, vocab_ids, sha)
+    head.to(target.device).train()
+    frozen = not head.lm_head.weight.requires_grad
+    params = [p for p in head.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=opts.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    step, seconds, curve = 0, 0.0, []
+    if ckpt is not None:
+        optim.load_state_dict(ckpt["optim"])
+        step, seconds, curve = int(ckpt["step"]), float(ckpt["seconds"]), list(ckpt["curve"])
+    amp, amp_why = autocast_dtype(target.device)
+    tell(f"training: {head.parameter_count() / 1e6:.1f}M parameters "
+         f"({sum(p.numel() for p in params) / 1e6:.1f}M trained), {amp_why}")
+    labels = label_logits(target, head.draft_to_target.cpu(), opts.weights)
+    order = random.Random(opts.seed + step)
+    last_eval = time.monotonic()
+    trained_tokens = 0
+    t_train = time.monotonic()
+
+    def checkpoint() -> None:
+        torch.save({
+            "sha": sha, "config": head.config.as_dict(), "head": head.state_dict(),
+            "optim": optim.state_dict(), "step": step, "frozen_lm_head": frozen,
+            "seconds": seconds + time.monotonic() - t_train, "curve": curve,
+        }, ckpt_path.with_name("checkpoint.pt.part"))
+        ckpt_path.with_name("checkpoint.pt.part").replace(ckpt_path)
+
+    def evaluate() -> dict[str, Any]:
+        head.eval()
+        res = validate(head, embed, held)
+        head.train()
+        return res
+
+    last_saved = time.monotonic()
+    try:
+        while not stopped():
+            if opts.max_steps is not None and step >= opts.max_steps:
+                break
+            if opts.max_steps is None and time.monotonic() > budget.end - _validation_room(budget):
+                break
+            q = trainset[order.randrange(len(trainset))]
+            lr = opts.lr * min(1.0, (step + 1) / 50)  # a short warm-up
+            for g in optim.param_groups:
+                g["lr"] = lr
+            with torch.autocast(target.device.type, dtype=amp) if amp else contextlib.nullcontext():
+                loss, rows, agree = sequence_loss(head, embed, q, labels, TTT_STEPS)
+            if rows == 0:
+                continue
+            optim.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optim.step()
+            step += 1
+            trained_tokens += rows
+            elapsed = time.monotonic() - t_train
+            report(LoadProgress("train", step, opts.max_steps,
+                                f"loss {loss.item():.3f}, top-1 {agree[0]:.2f}, "
+                                f"{trained_tokens / max(elapsed, 1e-9):.0f} tokens/s"))
+            if held and time.monotonic() - last_eval > max(opts.eval_every_s, budget.seconds / 12):
+                res = evaluate()
+                curve.append(_point(seconds + elapsed, res))
+                tell(f"after {(seconds + elapsed) / 60:.1f} min: {_describe(res)}")
+                last_eval = time.monotonic()
+            if time.monotonic() - last_saved > 60:
+                checkpoint()
+                last_saved = time.monotonic()
+    except KeyboardInterrupt:
+        checkpoint()
+        raise
+    checkpoint()
+    elapsed = time.monotonic() - t_train
+    head.eval()
+
+    # 5. Validation and the head's own file.
+    res = validate(head, embed, held) if held else {"chains": 0}
+    total_s = seconds + elapsed
+    if res.get("chains"):
+        curve.append(_point(total_s, res))
+    decoding, how = for_decoding(copy.deepcopy(head), target.device)
+    head_ms, target_ms, verify = measure_head_cost(decoding, ModelRunner(target.model, target.device), embed)
+    c = head_ms / target_ms if target_ms else math.nan
+    report_ = {
+        **res,
+        "head_step_ms": head_ms,
+        "target_step_ms": target_ms,
+        "c": c,
+        "verify": verify,
+        "train_tokens_per_s": trained_tokens / max(elapsed, 1e-9),
+        "precision": amp_why,
+        "decoding": how,
+        "cpu": cpu.features().summary(),
+    }
+    if res.get("mean_accepted"):
+        report_["predicted_speedup"] = predicted_speedup(
+            res["mean_accepted"], c, lambda k: verify[k]
+        )
+    facts = {
+        "trained_steps": step,
+        "trained_seconds": total_s,
+        "train_sequences": len(trainset),
+        "train_reply_tokens": sum(len(q.ids) - q.start for q in trainset),
+        "validation": report_,
+        "curve": curve,
+    }
+    save_head(head, folder, facts, list(getattr(target.model.config, "architectures", None) or []))
+    return TrainResult(folder, head, report_, curve)
+
+
+def _validation_room(budget: Budget) -> float:
+    """Seconds kept at the end for validation and saving: a few percent of the run."""
+    return min(30.0, 0.05 * budget.seconds)
+
+
+def _load_checkpoint(path: Path, sha: str) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    try:
+        ckpt = torch.load(path, weights_only=True)
+    except Exception:
+        return None
+    return ckpt if ckpt.get("sha") == sha else None
+
+
+def _point(seconds: float, res: dict[str, Any]) -> dict[str, float]:
+    acc = res.get("acceptance_by_position") or [0.0]
+    mean = res.get("mean_accepted") or {}
+    return {"minutes": seconds / 60, "top1": float(acc[0]), "accepted_k4": float(mean.get(4, 0.0))}
+
+
+def _describe(res: dict[str, Any]) -> str:
+    if not res.get("chains"):
+        return "no held-out replies to validate on"
+    acc = ", ".join(f"{a:.2f}" for a in res["acceptance_by_position"])
+    mean = res["mean_accepted"]
+    return f"acceptance by position {acc}; mean accepted at K=1 {mean[1]:.2f}, K=4 {mean[4]:.2f}"
+
+
+def describe_report(result: TrainResult) -> str:
+    """The validation report for the terminal."""
+    r = result.report
+    lines = [f"head saved in {result.folder}"]
+    if r.get("chains"):
+        lines.append(f"held-out chains: {r['chains']}")
+        lines.append("acceptance by draft position: " + ", ".join(
+            f"{i + 1}: {a:.2f}" for i, a in enumerate(r["acceptance_by_position"])))
+        lines.append("mean accepted drafts per round: " + ", ".join(
+            f"K={k}: {a:.2f}" for k, a in r["mean_accepted"].items()))
+    else:
+        lines.append("no held-out replies were collected: no validation figures")
+    lines.append(f"cost ({r['decoding']}): head step {r['head_step_ms']:.1f} ms, target step {r['target_step_ms']:.1f} ms, "
+                 f"c = {r['c']:.3f}")
+    if r.get("predicted_speedup"):
+        best = max(r["predicted_speedup"].items(), key=lambda kv: kv[1])
+        lines.append("verify of K drafts, in target steps: " + ", ".join(
+            f"K={k}: {v:.2f}" for k, v in r["verify"].items()))
+        lines.append(f"predicted speedup (1 + accepted) / (K c + v): best K={best[0]}: {best[1]:.2f}x plain")
+    lines.append(f"training: {r['train_tokens_per_s']:.0f} tokens/s, {r['precision']}")
+    return "\n".join(lines)
+
+
+def saved_curve(folder: Path) -> list[dict[str, float]]:
+    return list(head_facts(folder).get("curve") or [])
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
