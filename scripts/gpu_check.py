@@ -14,7 +14,11 @@ For bnb-nf4 and bnb-int8 (and a float32 control) this script
    that is not batch-invariant can flip a near-tie, which breaks identity
    without any bug in the loop: the margin column tells the two apart);
 3. times one decode step against one verify pass of K+1 tokens on a target
-   of Qwen2.5-1.5B width (4 layers, so it builds in seconds).
+   of Qwen2.5-1.5B width (4 layers, so it builds in seconds);
+4. trains a draft head (`--mode eagle`) on the tiny float32 target for 60
+   steps through `train-draft`'s own code path on the device, checks that
+   greedy eagle decoding through `ChatSession` equals plain, and times a
+   head step against a target step of the 1536-wide target (c on this device).
 
 It installs nothing, needs no network and finishes in well under five
 minutes. Exit status: 0 all identities held, 1 one failed, 2 no CUDA (nothing
@@ -202,6 +206,65 @@ def verify_cost(model: nn.Module, k: int, device: torch.device) -> tuple[float, 
     return timed(step, device, reps), timed(verify, device, reps)
 
 
+def check_head(target_dir: Path, wide_dir: Path, device: torch.device, tokens: int) -> int:
+    """Section 4: the draft head on this device; returns the number of failed identities."""
+    from transformers import AutoModelForCausalLM
+
+    from specchat.engine.config import DecodeConfig, Mode
+    from specchat.engine.decode.session import ChatSession
+    from specchat.engine.events import RoundEvent, TokenEvent
+    from specchat.engine.model.eagle import EagleHead, HeadConfig, init_head
+    from specchat.engine.model.runner import ModelRunner
+    from specchat.engine.tools.train_draft import TrainOptions, measure_head_cost, train
+    from specchat.engine.weights.loading import LoadedModel, describe
+
+    print("\n4. the draft head (--mode eagle): 60 training steps, greedy identity, cost")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.tinymodels import chatml_tokenizer  # one token per printable character, ChatML
+
+    tok = chatml_tokenizer()
+    def as_loaded(folder: Path) -> LoadedModel:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+        info = describe(model, "target", folder.name, "code", device, torch.float32, QuantMode.NONE)
+        return LoadedModel(model, tok, device, torch.float32, info)
+
+    target = as_loaded(target_dir)
+    with tempfile.TemporaryDirectory() as out:
+        opts = TrainOptions(minutes=3, max_steps=60, reply_tokens=24, max_texts=40,
+                            draft_vocab=256, out=Path(out), eval_every_s=1e9,
+                            prompts=tuple(f"tell me about {w}" for w in (
+                                "rain", "cats", "code", "tea", "maps", "ships", "stars", "bread",
+                                "rust", "go", "sql", "css", "math", "songs", "trees", "rivers")))
+        t0 = time.perf_counter()
+        result = train(target, opts)
+        trained_s = time.perf_counter() - t0
+    acc = result.report.get("acceptance_by_position") or [0.0]
+    print(f"trained 60 steps in {trained_s:.1f} s ({result.report['precision']}); "
+          f"held-out first-draft acceptance {acc[0]:.2f}")
+    cfg = DecodeConfig(mode=Mode.EAGLE, k=3, max_new_tokens=tokens, compose=False)
+    prompt = "tell me about clouds"
+    plain = [e.token_id for e in ChatSession(target).stream(prompt, cfg.with_(mode=Mode.PLAIN))
+             if isinstance(e, TokenEvent)]
+    events = list(ChatSession(target, head=result.head).stream(prompt, cfg))
+    eagle = [e.token_id for e in events if isinstance(e, TokenEvent)]
+    rounds = [e for e in events if isinstance(e, RoundEvent) and e.k]
+    same = eagle == plain
+    accepted = sum(e.accepted for e in rounds) / max(len(rounds), 1)
+    print(f"greedy eagle = plain: {'yes' if same else f'no @{first_difference(eagle, plain)}'}; "
+          f"{accepted:.2f} drafts accepted a round")
+    del target
+    wide = as_loaded(wide_dir)
+    head = init_head(EagleHead(HeadConfig.for_target(wide.model.config, draft_vocab=16384,
+                                                     intermediate=3072))).to(device).eval()
+    head_ms, target_ms, verify = measure_head_cost(
+        head, ModelRunner(wide.model, device), wide.model.get_input_embeddings()
+    )
+    print(f"1536 wide x 4 layers (float32): head step {head_ms:.2f} ms, target step {target_ms:.2f} ms, "
+          f"c = {head_ms / target_ms:.3f}; verify K=1..6 in steps: "
+          + ", ".join(f"{v:.2f}" for v in verify.values()))
+    return 0 if same else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--k", type=int, default=4, help="draft tokens per round")
@@ -290,6 +353,8 @@ def main() -> int:
             print(f"{name:9} {step_ms:8.2f} {verify_ms:12.2f} {verify_ms / step_ms:6.2f}")
             del model
             torch.cuda.empty_cache()
+
+        failures += check_head(target_dir, wide_dir, device, args.tokens)
 
     print(
         f"\n{'all identities held' if not failures else f'{failures} identity check(s) FAILED'}"

@@ -7,12 +7,14 @@ on scratch tokens, so the first round's K comes from this machine's figures.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from ..model.eagle import EagleHead, HeadCache
 from ..model.runner import ModelRunner
 
 
@@ -83,3 +85,50 @@ def measure_costs(target: ModelRunner, draft: ModelRunner, k: int = 4, repeats: 
         verify_slope=max(0.0, (verify / step - 1.0) / k),
         verify_at={1: verify_one / step, k: verify / step},
     )
+
+
+MAX_K_HEAD = 6  # verify costs measured for the head: K = 1..6
+
+
+def measure_head_cost(
+    head: EagleHead, runner: ModelRunner, embed: torch.nn.Module, repeats: int = 5
+) -> tuple[float, float, dict[int, float]]:
+    """(one head draft step ms, one target decode step ms, verify of K drafts in target
+    steps for K = 1..MAX_K_HEAD), medians of `repeats`, on a 64-token context."""
+    dev = head.norm.weight.device
+    ids = list(range(1, 65))
+    runner.reset()
+    runner.feed(ids, keep=1)
+
+    def target_pass(n: int) -> float:
+        t0 = time.perf_counter()
+        runner.feed(list(range(3, 3 + n)), keep=n)
+        ms = (time.perf_counter() - t0) * 1e3
+        runner.crop_to(len(ids))
+        return ms
+
+    def median(f: Callable[[], float]) -> float:
+        return sorted(f() for _ in range(repeats))[repeats // 2]
+
+    cache = HeadCache()
+    with torch.inference_mode():
+        feats = torch.zeros(63, head.fc.in_features, device=dev)
+        head.step(embed(torch.tensor(ids[1:], device=dev)).float(), feats, cache)
+        state = torch.zeros(1, head.config.hidden_size, device=dev)
+        tok = torch.tensor([7], device=dev)
+
+        def head_step() -> float:
+            t0 = time.perf_counter()
+            _out, logits = head.step(embed(tok).float(), state, cache)
+            head.to_target_logits(logits).argmax(-1).item()
+            ms = (time.perf_counter() - t0) * 1e3
+            cache.crop(63)
+            return ms
+
+        target_ms = median(lambda: target_pass(1))
+        verify = {}
+        for k in range(1, MAX_K_HEAD + 1):
+            verify[k] = median(functools.partial(target_pass, k + 1)) / target_ms
+        head_ms = median(head_step)
+    runner.reset()
+    return head_ms, target_ms, verify

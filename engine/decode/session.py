@@ -36,7 +36,7 @@ from ..model.runner import ModelRunner
 from ..weights.loading import LoadedModel, check_tokenizers_match, load_model, set_threads
 from .compose import ComposedDrafter
 from .controller import Controller
-from .costs import Costs, measure_costs
+from .costs import Costs, measure_costs, measure_head_cost
 from .early_exit import EarlyExitStepper, SelfSpecDrafter
 from .exit_policy import policy_for
 from .head import HeadDrafter, load_draft_head
@@ -163,6 +163,8 @@ class ChatSession:
         )
         if head_note:
             session._notes.append(head_note)
+            if measure:
+                session.measure_head()
             session.ready = session._make_ready()
         if measure and drf is not None:
             session.measure_costs()
@@ -209,6 +211,23 @@ class ChatSession:
         self.tokens = []
         self.ready = self._make_ready()
         return self.costs
+
+    def measure_head(self) -> Costs | None:
+        """Time a draft-head step and the target's verify passes (decode/costs.py): the
+        eagle controller's starting costs, and a note in Ready."""
+        if self.head_drafter is None:
+            return None
+        scratch = ModelRunner(self.target.model, self.target.device)
+        head_ms, target_ms, verify = measure_head_cost(
+            self.head_drafter.head, scratch, self.head_drafter.embed
+        )
+        costs = Costs(target_ms, head_ms, self.costs.verify_slope, verify)
+        self._mode_costs[Mode.EAGLE] = costs
+        self._notes.append(
+            f"measured: draft head step c={head_ms / target_ms:.3f} "
+            f"({head_ms:.1f} ms, target step {target_ms:.1f} ms)"
+        )
+        return costs
 
     def _costs_for(self, mode: Mode) -> Costs:
         """The step costs the controller of `mode` starts from and keeps learning into.

@@ -30,7 +30,6 @@ from __future__ import annotations
 import ast
 import contextlib
 import copy
-import functools
 import hashlib
 import math
 import random
@@ -46,9 +45,10 @@ import torch
 from torch import Tensor
 
 from ..config import DecodeConfig, Mode
+from ..decode.costs import measure_head_cost
 from ..events import LoadProgress, TokenEvent
 from ..model import cpu
-from ..model.eagle import EagleHead, HeadCache, HeadConfig, init_head
+from ..model.eagle import EagleHead, HeadConfig, init_head
 from ..model.eagle_io import for_decoding, head_facts, save_head
 from ..model.runner import ModelRunner
 from ..weights.loading import LoadedModel
@@ -366,50 +366,6 @@ def validate(head: EagleHead, embed: torch.nn.Module, seqs: list[Sequence], k: i
 def predicted_speedup(mean_accepted: dict[int, float], c: float, verify: Callable[[int], float]) -> dict[int, float]:
     """(1 + accepted(K)) / (K c + v(K)) for each K: tokens per round over its cost in target steps."""
     return {K: (1 + a) / (K * c + verify(K)) for K, a in mean_accepted.items()}
-
-
-def measure_head_cost(
-    head: EagleHead, runner: ModelRunner, embed: torch.nn.Module, repeats: int = 5
-) -> tuple[float, float, dict[int, float]]:
-    """(one head draft step ms, one target decode step ms, verify of K drafts in target
-    steps for K = 1..EVAL_K), medians of `repeats`, on a 64-token context."""
-    dev = head.norm.weight.device
-    ids = list(range(1, 65))
-    runner.reset()
-    runner.feed(ids, keep=1)
-
-    def target_pass(n: int) -> float:
-        t0 = time.perf_counter()
-        runner.feed(list(range(3, 3 + n)), keep=n)
-        ms = (time.perf_counter() - t0) * 1e3
-        runner.crop_to(len(ids))
-        return ms
-
-    def median(f: Callable[[], float]) -> float:
-        return sorted(f() for _ in range(repeats))[repeats // 2]
-
-    cache = HeadCache()
-    with torch.inference_mode():
-        feats = torch.zeros(63, head.fc.in_features, device=dev)
-        head.step(embed(torch.tensor(ids[1:], device=dev)).float(), feats, cache)
-        state = torch.zeros(1, head.config.hidden_size, device=dev)
-        tok = torch.tensor([7], device=dev)
-
-        def head_step() -> float:
-            t0 = time.perf_counter()
-            _out, logits = head.step(embed(tok).float(), state, cache)
-            head.to_target_logits(logits).argmax(-1).item()
-            ms = (time.perf_counter() - t0) * 1e3
-            cache.crop(63)
-            return ms
-
-        target_ms = median(lambda: target_pass(1))
-        verify = {}
-        for k in range(1, EVAL_K + 1):
-            verify[k] = median(functools.partial(target_pass, k + 1)) / target_ms
-        head_ms = median(head_step)
-    runner.reset()
-    return head_ms, target_ms, verify
 
 
 # -- the whole run -------------------------------------------------------------------------

@@ -1,21 +1,23 @@
 """The prompt set `specchat train-draft` asks the target to answer (its greedy replies
 are what a draft head must learn to predict): everyday chat, explanations, code to
-write and to edit, short stories. Every eighth prompt is held out for validation."""
+write and to edit, short stories. Every eighth prompt is held out for validation. None of them is a
+prompt of the benchmark sets (`../shared/prompts/dev_prompts.jsonl`, docs/bench-prompts/)
+or asks for the same thing, so a head is not benchmarked on what it was trained on."""
 
 from __future__ import annotations
 
 PROMPTS: tuple[str, ...] = (
-    "How do I cook rice on the stove?",
+    "How do I cook lentils so they stay firm?",
     "Explain what a hash table is and when to use one.",
-    "Write a Python function that checks whether a string is a palindrome.",
+    "Write a Python function that counts the vowels in a string.",
     "What is the difference between a list and a tuple in Python?",
-    "Give me three tips for writing a good cover letter.",
+    "What makes a cover letter stand out?",
     "Tell me a short story about a robot who learns to paint.",
     "What causes the seasons on Earth?",
     "Write a SQL query that returns the ten most recent orders per customer.",
     "How does HTTPS keep a connection private?",
     "Summarise the plot of Romeo and Juliet in a few sentences.",
-    "Write a bash one-liner that counts the lines of every .py file in a folder.",
+    "Write a bash one-liner that lists the five largest files in a folder.",
     "What is a good way to start learning the guitar?",
     "Explain recursion to a ten-year-old.",
     "Rewrite this function to use a list comprehension:\n\ndef squares(xs):\n    out = []\n    for x in xs:\n        out.append(x * x)\n    return out",
@@ -42,7 +44,7 @@ PROMPTS: tuple[str, ...] = (
     "Write a regular expression that matches an email address, and explain it.",
     "What are some good habits for a productive morning?",
     "How does a CPU cache speed up programs?",
-    "Write a Python generator that yields the Fibonacci numbers.",
+    "Write a Python function that returns the Fibonacci numbers below n as a list.",
     "What is photosynthesis?",
     "Explain what an API is with an everyday example.",
     "Convert this loop to use enumerate:\n\ni = 0\nfor name in names:\n    print(i, name)\n    i += 1",
