@@ -16,7 +16,7 @@ replaced by its default; the rest of the file still applies.
     draft = "..."
 
     [decode]
-    mode = "spec"                  # plain | spec | lookup | self-spec | early-exit
+    mode = "spec"                  # plain | spec | eagle | lookup | self-spec | early-exit
     k = "auto"                     # or an integer
     temperature = 0.0
     top_p = 1.0

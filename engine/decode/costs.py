@@ -100,9 +100,15 @@ def measure_head_cost(
     runner.reset()
     runner.feed(ids, keep=1)
 
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
     def target_pass(n: int) -> float:
+        sync()
         t0 = time.perf_counter()
         runner.feed(list(range(3, 3 + n)), keep=n)
+        sync()
         ms = (time.perf_counter() - t0) * 1e3
         runner.crop_to(len(ids))
         return ms
@@ -118,6 +124,7 @@ def measure_head_cost(
         tok = torch.tensor([7], device=dev)
 
         def head_step() -> float:
+            sync()
             t0 = time.perf_counter()
             _out, logits = head.step(embed(tok).float(), state, cache)
             head.to_target_logits(logits).argmax(-1).item()

@@ -61,21 +61,24 @@ class HeadDrafter:
         buf[start : start + n] = feats.to(self.dtype)
         if start <= self.fresh:
             self.fresh = start + n  # later positions were cropped from the target
+        # Head rows from position start - 1 on were fed features that are now replaced.
+        self.confirmed = min(self.confirmed, max(start - 1, 0))
 
     def catch_up(self, seq: list[int]) -> None:
         """Where the target's cache holds positions whose features were never captured
         (turns decoded another way), recompute them: a one-off target pass, untimed."""
         need = len(seq) - 1
-        if self.fresh < min(need, self.target.cached):
-            self.target.crop_to(self.fresh)
-        if self.fresh < need:
+        valid = min(self.fresh, self.target.cached)  # features past the target's cache are stale
+        if valid < self.target.cached:
+            self.target.crop_to(valid)
+        if valid < need:
             self.target.prefill(seq)
 
     @torch.inference_mode()
     def _rows(self, seq: list[int]) -> tuple[Tensor, Tensor]:
         """Bring the head to the target's rows of seq: (logits [Vd] after seq, output [H])."""
         m = len(seq) - 1  # rows 0..m-1: features f_j of seq[j], token seq[j + 1]
-        if self.fresh < m or self._feats is None:
+        if min(self.fresh, self.target.cached) < m or self._feats is None:
             raise RuntimeError(f"the head has target features for {self.fresh} of {m} positions")
         start = min(self.cache.cached, self.confirmed, m - 1)
         self.cache.crop(start)
@@ -135,10 +138,18 @@ def load_draft_head(
         folder = find_head(target.weights_sha256, cache_dir)
         if folder is None:
             return None, None
+        try:  # a head found in the cache that does not load must not stop the chat
+            return _ready(folder, target)
+        except EngineError as exc:
+            return None, f"the draft head in the cache was not loaded: {exc.message} ({exc.hint})"
     else:
         folder = Path(source).expanduser()
         if not folder.exists():
             folder = _from_hub(source)
+    return _ready(folder, target)
+
+
+def _ready(folder: Path, target: LoadedModel) -> tuple[EagleHead, str]:
     head = load_head(
         folder, target_sha256=target.weights_sha256, target_config=target.model.config
     )

@@ -137,7 +137,8 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 @dataclass(slots=True)
 class HeadCache:
-    """The head's keys and values, [Hkv, T, D] each, for the first `cached` positions."""
+    """The head's keys and values for the first `cached` positions, in buffers
+    [Hkv, capacity, D] that double when full (a draft step appends one row)."""
 
     k: Tensor | None = None
     v: Tensor | None = None
@@ -145,13 +146,20 @@ class HeadCache:
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Add k, v [Hkv, S, D] after the cached positions; returns all of them [Hkv, T, D]."""
-        if self.k is None or self.v is None or self.cached == 0:
-            self.k, self.v = k, v
-        else:
-            self.k = torch.cat([self.k[:, : self.cached], k], dim=1)
-            self.v = torch.cat([self.v[:, : self.cached], v], dim=1)
-        self.cached += int(k.shape[1])
-        return self.k, self.v
+        s = int(k.shape[1])
+        end = self.cached + s
+        if self.k is None or self.v is None or self.k.shape[1] < end or self.k.dtype != k.dtype:
+            cap = max(2 * end, 64)
+            grown_k = k.new_empty((k.shape[0], cap, k.shape[2]))
+            grown_v = v.new_empty((v.shape[0], cap, v.shape[2]))
+            if self.k is not None and self.v is not None and self.cached:
+                grown_k[:, : self.cached] = self.k[:, : self.cached]
+                grown_v[:, : self.cached] = self.v[:, : self.cached]
+            self.k, self.v = grown_k, grown_v
+        self.k[:, self.cached : end] = k
+        self.v[:, self.cached : end] = v
+        self.cached = end
+        return self.k[:, :end], self.v[:, :end]
 
     def crop(self, n: int) -> None:
         self.cached = min(self.cached, max(n, 0))

@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import EngineError
-from .eagle import EagleHead, HeadConfig
+from .eagle import EagleHead, HeadConfig, default_aux_layers
 
 WEIGHTS = "model.safetensors"
 FACTS = "specchat.json"
@@ -96,12 +96,15 @@ def config_from_speculators(raw: dict[str, Any], num_target_layers: int | None =
         raise ValueError(f"heads of {layer['num_hidden_layers']} layers are not supported (one)")
     hidden = int(layer["hidden_size"])
     heads = int(layer["num_attention_heads"])
+    scaling = layer.get("rope_scaling") or {}
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind not in (None, "default"):
+        raise ValueError(f"its rotary scaling ({kind}) is not supported: only plain rotary")
     aux = raw.get("eagle_aux_hidden_state_layer_ids")
     if not aux:
         if num_target_layers is None:
             raise ValueError("the head names no feature layers and the target is unknown")
-        n = num_target_layers
-        aux = [2, n // 2, n - 3]
+        aux = list(default_aux_layers(num_target_layers))
     theta = layer.get("rope_theta") or (layer.get("rope_parameters") or {}).get("rope_theta", 10000.0)
     verifier = (raw.get("speculators_config") or {}).get("verifier") or {}
     return HeadConfig(
@@ -197,12 +200,14 @@ def load_head(
     # speculators saves a frozen copy of the verifier's embedding; the verifier's own is used.
     state.pop("embed_tokens.weight", None)
     head = EagleHead(config)
-    if "t2d" not in state and "d2t" in state:  # vLLM does not read t2d: rebuild it
-        state["t2d"] = torch.zeros(config.target_vocab_size, dtype=torch.bool)
-        state["t2d"][torch.arange(config.draft_vocab_size) + state["d2t"].long()] = True
+    if "d2t" not in state and config.draft_vocab_size == config.target_vocab_size:
+        state["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.long)  # the identity
     try:
+        if "t2d" not in state and "d2t" in state:  # vLLM does not read t2d: rebuild it
+            state["t2d"] = torch.zeros(config.target_vocab_size, dtype=torch.bool)
+            state["t2d"][torch.arange(config.draft_vocab_size) + state["d2t"].long()] = True
         head.load_state_dict(state)
-    except (RuntimeError, KeyError) as exc:
+    except (RuntimeError, KeyError, IndexError) as exc:
         first = str(exc).strip().splitlines()[0]
         raise EngineError(f"the draft head's weights in {folder} do not fit its config: {first}", hint=hint) from exc
     return head.to(device).eval().requires_grad_(False)

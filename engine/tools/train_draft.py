@@ -117,22 +117,22 @@ def head_folder(target: LoadedModel, cache_dir: Path | str | None = None) -> Pat
 
 def target_replies(
     target: LoadedModel, prompts: list[str], tokens: int, deadline: float, report: Progress,
-    held_out: bool,
-) -> Iterator[Sequence]:
-    """The target's greedy reply to each prompt, until the deadline."""
+    held_out: bool, stopped: Callable[[], bool] = lambda: False,
+) -> Iterator[Sequence | None]:
+    """The target's greedy reply to each prompt, until the deadline: one item per prompt
+    asked (None where the reply was empty)."""
     from ..decode.session import ChatSession
 
     session = ChatSession(target)
     cfg = DecodeConfig(mode=Mode.PLAIN, max_new_tokens=tokens)
     for i, prompt in enumerate(prompts):
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or stopped():
             return
         session.reset(drop_caches=True)
         ids = session.render([("user", prompt)])
         reply = [e.token_id for e in session.stream(prompt, cfg) if isinstance(e, TokenEvent)]
-        report(LoadProgress("replies", i + 1, len(prompts), "held out" if held_out else ""))
-        if reply:
-            yield Sequence(ids + reply, len(ids), held_out)
+        report(LoadProgress("replies", i + 1, len(prompts), detail="held out" if held_out else ""))
+        yield Sequence(ids + reply, len(ids), held_out) if reply else None
 
 
 def stdlib_answers(limit: int, seed: int) -> list[tuple[str, str]]:
@@ -161,17 +161,15 @@ def stdlib_answers(limit: int, seed: int) -> list[tuple[str, str]]:
     return pairs[:limit]
 
 
-def text_sequences(target: LoadedModel, pairs: list[tuple[str, str]], max_len: int) -> list[Sequence]:
+def text_sequence(target: LoadedModel, pair: tuple[str, str], max_len: int) -> Sequence | None:
+    """A question and its answer in the chat template; None where nothing is left to learn."""
     from ..decode.text import render_chat
 
     tok = target.tokenizer
-    out = []
-    for question, answer in pairs:
-        ids = render_chat(tok, [{"role": "user", "content": question}])
-        reply = list(tok(answer, add_special_tokens=False)["input_ids"])
-        if reply:
-            out.append(Sequence((ids + reply)[:max_len], len(ids)))
-    return [s for s in out if len(s.ids) > s.start + 1]
+    ids = render_chat(tok, [{"role": "user", "content": pair[0]}])
+    reply = list(tok(pair[1], add_special_tokens=False)["input_ids"])
+    seq = Sequence((ids + reply)[:max_len], len(ids))
+    return seq if len(seq.ids) > seq.start + 1 else None
 
 
 # -- 3: features and labels ---------------------------------------------------------------
@@ -217,18 +215,22 @@ def draft_vocabulary(seqs: list[Sequence], size: int, vocab: int) -> Tensor:
 # -- 4: training ----------------------------------------------------------------------------
 
 
-def new_head(target: LoadedModel, opts: TrainOptions, vocab_ids: Tensor, sha: str) -> EagleHead:
-    """A head for the target: its LM head the target's rows where they are float, frozen."""
+def new_config(target: LoadedModel, opts: TrainOptions, draft_vocab: int, sha: str) -> HeadConfig:
     config = target.model.config
-    cfg = HeadConfig.for_target(
+    return HeadConfig.for_target(
         config,
-        draft_vocab=int(vocab_ids.numel()),
+        draft_vocab=draft_vocab,
         # An MLP of twice the width, not the target's ~6x: 1.6x the training tokens/s on
         # a 2-core CPU and a third of the head's bytes a draft step (1.5B: 3,072 vs 8,960).
         intermediate=opts.intermediate or min(int(config.intermediate_size), 2 * int(config.hidden_size)),
         target_name=target.info.source,
         target_sha256=sha,
     )
+
+
+def new_head(target: LoadedModel, opts: TrainOptions, vocab_ids: Tensor, sha: str) -> EagleHead:
+    """A head for the target: its LM head the target's rows where they are float, frozen."""
+    cfg = new_config(target, opts, int(vocab_ids.numel()), sha)
     head = init_head(EagleHead(cfg), opts.seed)
     head.set_vocab(vocab_ids)
     rows = _target_head_rows(target, head.draft_to_target, opts.weights)
@@ -303,7 +305,8 @@ def sequence_loss(
     ids = torch.tensor(seq.ids, device=dev)
     embeds = embed(ids[1:]).float()  # row j: x_{j+1}
     feats = seq.feats[: s - 1].to(dev).float()  # row j: f_j
-    with torch.no_grad():  # row j predicts x_{j+2}: the target's distribution at position j + 1
+    # Row j predicts x_{j+2}: the target's distribution at position j + 1, in float32.
+    with torch.no_grad(), torch.autocast(dev.type, enabled=False):
         target_logits = labels(seq.last[1:].to(dev))  # [S-1, Vd]
         p = torch.softmax(target_logits.float(), dim=-1)
         best = target_logits.argmax(-1)
@@ -401,40 +404,60 @@ def _load_data(path: Path) -> tuple[list[Sequence], dict[str, int]]:
         return [], {"asked": 0, "texts": 0}
 
 
+MAX_FEATURE_BYTES = 6 << 30  # features kept in memory (and in data.pt) at most
+
+
 def collect(
     target: LoadedModel, opts: TrainOptions, work: Path, budget: Budget, report: Progress,
     tell: Callable[[str], None], stopped: Callable[[], bool],
 ) -> list[Sequence]:
-    """Stages 1-3, kept in work/data.pt: a later run goes on where this one stopped."""
+    """Stages 1-3, kept in work/data.pt (every 25 sequences, and on Ctrl+C): a later run
+    goes on where this one stopped."""
     data_path = work / "data.pt"
     seqs, state = _load_data(data_path)
     if seqs:
         tell(f"resuming with {len(seqs)} sequences collected before")
     train_prompts, held_prompts = split(opts.prompts)
-    if not any(q.held_out for q in seqs):
-        seqs += target_replies(target, held_prompts, opts.reply_tokens, budget.at(0.1), report, True)
-    fresh = list(
-        target_replies(target, train_prompts[state["asked"] :], opts.reply_tokens, budget.at(0.3), report, False)
-    )
-    state["asked"] += len(fresh)
-    pairs = stdlib_answers(opts.max_texts, opts.seed)[state["texts"] :]
-    texts = text_sequences(target, pairs, opts.max_len)
     runner = ModelRunner(target.model, target.device)
     layers = HeadConfig.for_target(target.model.config).aux_layers
-    todo = [q for q in seqs if q.feats is None] + fresh
-    tell(f"features: {len(todo)} replies and up to {len(texts)} texts through the target")
-    for i, q in enumerate([*todo, *texts]):
-        if i >= len(todo) and (time.monotonic() > budget.at(0.5) or stopped()):
-            break
+    kept = sum(_bytes(q) for q in seqs)
+
+    def add(q: Sequence) -> None:
+        nonlocal kept
         q.ids = q.ids[: opts.max_len]
         featurize(runner, q, layers)
-        if i >= len(todo):
+        seqs.append(q)
+        kept += _bytes(q)
+        if len(seqs) % 25 == 0:
+            _save_data(data_path, seqs, state)
+
+    try:
+        if not any(q.held_out for q in seqs):
+            for q in target_replies(target, held_prompts, opts.reply_tokens, budget.at(0.1), report, True, stopped):
+                if q is not None:
+                    add(q)
+        todo = train_prompts[state["asked"] :]
+        for q in target_replies(target, todo, opts.reply_tokens, budget.at(0.3), report, False, stopped):
+            state["asked"] += 1
+            if q is not None:
+                add(q)
+        pairs = stdlib_answers(opts.max_texts, opts.seed)[state["texts"] :]
+        tell(f"features: up to {len(pairs)} standard-library answers through the target")
+        for i, pair in enumerate(pairs):
+            if time.monotonic() > budget.at(0.5) or stopped() or kept > MAX_FEATURE_BYTES:
+                break
             state["texts"] += 1
-        report(LoadProgress("features", i + 1, len(todo) + len(texts)))
-    seqs = [q for q in [*seqs, *todo, *texts] if q.feats is not None]
-    seqs = list({id(q): q for q in seqs}.values())
-    _save_data(data_path, seqs, state)
+            q = text_sequence(target, pair, opts.max_len)
+            if q is not None:
+                add(q)
+            report(LoadProgress("features", i + 1, len(pairs)))
+    finally:  # Ctrl+C included: what was collected is kept
+        _save_data(data_path, seqs, state)
     return seqs
+
+
+def _bytes(q: Sequence) -> int:
+    return sum(t.numel() * t.element_size() for t in (q.feats, q.last) if t is not None)
 
 
 def train(
@@ -467,12 +490,26 @@ def train(
     # 4. The head: a checkpoint's, or new over the draft vocabulary this data suggests.
     ckpt_path = work / "checkpoint.pt"
     ckpt = _load_checkpoint(ckpt_path, sha)
+    head: EagleHead | None = None
     if ckpt is not None:
-        head = EagleHead(HeadConfig(**{**ckpt["config"], "aux_layers": tuple(ckpt["config"]["aux_layers"])}))
-        head.load_state_dict(ckpt["head"])
-        head.lm_head.weight.requires_grad_(not ckpt["frozen_lm_head"])
-        tell(f"resuming training at step {ckpt['step']} ({ckpt['seconds']:.0f} s trained)")
-    else:
+        saved = HeadConfig(**{**ckpt["config"], "aux_layers": tuple(ckpt["config"]["aux_layers"])})
+        wanted = new_config(target, opts, saved.draft_vocab_size, sha)
+        if (saved.intermediate_size, saved.draft_vocab_size) != (
+            wanted.intermediate_size, min(opts.draft_vocab, saved.target_vocab_size)
+        ):
+            tell("the checkpoint has another shape than asked for (--head-vocab, --intermediate): "
+                 "training a new head")
+            ckpt = None
+        else:
+            head = EagleHead(saved)
+            try:
+                head.load_state_dict(ckpt["head"])
+                head.lm_head.weight.requires_grad_(not ckpt["frozen_lm_head"])
+                tell(f"resuming training at step {ckpt['step']} ({ckpt['seconds']:.0f} s trained)")
+            except (RuntimeError, KeyError) as exc:
+                tell(f"the checkpoint does not load ({str(exc).splitlines()[0]}): training a new head")
+                head, ckpt = None, None
+    if head is None:
         vocab_ids = draft_vocabulary(seqs, min(opts.draft_vocab, target.model.config.vocab_size),
                                      int(target.model.config.vocab_size))
         head = new_head(target, opts, vocab_ids, sha)
@@ -530,7 +567,7 @@ def train(
             trained_tokens += rows
             elapsed = time.monotonic() - t_train
             report(LoadProgress("train", step, opts.max_steps,
-                                f"loss {loss.item():.3f}, top-1 {agree[0]:.2f}, "
+                                detail=f"loss {loss.item():.3f}, top-1 {agree[0]:.2f}, "
                                 f"{trained_tokens / max(elapsed, 1e-9):.0f} tokens/s"))
             if held and time.monotonic() - last_eval > max(opts.eval_every_s, budget.seconds / 12):
                 res = evaluate()
@@ -543,6 +580,11 @@ def train(
     except KeyboardInterrupt:
         checkpoint()
         raise
+    if step == 0:
+        raise ValueError(
+            "the time given ran out before the first training step: give more --minutes "
+            "(the data collected is kept; the next run starts from it)"
+        )
     checkpoint()
     elapsed = time.monotonic() - t_train
     head.eval()

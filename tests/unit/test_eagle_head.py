@@ -67,11 +67,11 @@ def test_unrolled_training_pass_scores_each_step_as_the_decoding_chain_does(targ
     s-th draft of a chain leaving the target at row j - s computes."""
     head = random_head(target)
     torch.manual_seed(0)
-    s = 12
+    s = 80  # past the cache's first allocation (64 rows): it grows mid-chain
     feats = torch.randn(s, head.fc.in_features)
     embeds = torch.randn(s, head.config.hidden_size)
     steps = head.unrolled(embeds, feats, 4)
-    m = 5  # the chain leaves the target after rows 0..m
+    m = 62  # the chain leaves the target after rows 0..m
     cache = HeadCache()
     out, logits = head.step(embeds[: m + 1], feats[: m + 1], cache)
     torch.testing.assert_close(logits, steps[0][: m + 1], rtol=1e-5, atol=1e-5)
@@ -244,3 +244,51 @@ def test_featurize_keeps_what_gives_the_target_logits_back(target) -> None:
         want = target(torch.tensor([seq.ids])).logits[0]
     assert (logits.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9  # near-ties may flip
     torch.testing.assert_close(logits, want, rtol=0.05, atol=0.05)  # bfloat16 storage
+
+
+def test_a_broken_head_in_the_cache_is_a_note_not_a_failed_start(target, tmp_path: Path) -> None:
+    import dataclasses
+
+    from specchat.engine import paths
+    from specchat.engine.decode.head import load_draft_head
+
+    tgt = dataclasses.replace(loaded(target, tokenizer=chatml_tokenizer()), weights_sha256="ab" * 32)
+    folder = paths.heads_dir(tmp_path) / ("ab" * 32)[:20]
+    save_head(random_head(target), folder, {"target_sha256": "ab" * 32})
+    head, note = load_draft_head("auto", tgt, tmp_path)
+    assert head is not None and note and "draft head" in note
+    (folder / "model.safetensors").write_bytes(b"torn")
+    head, note = load_draft_head("auto", tgt, tmp_path)
+    assert head is None and note and "was not loaded" in note and "cannot be read" in note
+    with pytest.raises(EngineError, match="cannot be read"):  # asked for by name: an error
+        load_draft_head(str(folder), tgt, tmp_path)
+
+
+def test_ctrl_c_while_collecting_keeps_what_was_collected(target, tmp_path: Path) -> None:
+    """A KeyboardInterrupt in the middle of the replies (raised where the run checks for
+    a stop) leaves data.pt with the replies featurized so far; the next run asks on."""
+    import time as _time
+
+    from specchat.engine.tools.train_draft import Budget, _load_data, collect
+
+    tgt = loaded(target, tokenizer=chatml_tokenizer())
+    opts = TrainOptions(reply_tokens=8, max_texts=4)
+    calls = {"n": 0}
+
+    def stop_after_five() -> bool:
+        calls["n"] += 1
+        if calls["n"] > 5:
+            raise KeyboardInterrupt
+        return False
+
+    budget = Budget(_time.monotonic(), 600)
+    with pytest.raises(KeyboardInterrupt):
+        collect(tgt, opts, tmp_path, budget, lambda _e: None, lambda _m: None, stop_after_five)
+    seqs, state = _load_data(tmp_path / "data.pt")
+    assert seqs and all(q.feats is not None for q in seqs)
+    held = sum(q.held_out for q in seqs)
+    # Stopped at the sixth check: up to five held-out replies, no training prompt asked yet.
+    assert 1 <= held <= 5 and len(seqs) == held and state["asked"] == 0
+    said: list[str] = []
+    more = collect(tgt, opts, tmp_path, budget, lambda _e: None, said.append, lambda: False)
+    assert len(more) > len(seqs) and any("resuming" in s for s in said)

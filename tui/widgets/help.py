@@ -63,9 +63,17 @@ when the context window is full.
 **ctrl+r** answers the last prompt again with plain decoding (mode plain,
 same seed, temperature and top-p), shown as reply **B** under the original
 **A**, with the first token where they differ and both speeds. Lossless
-modes (spec, lookup, self-spec) should match exactly at temperature 0; early exit
+modes (spec, eagle, lookup, self-spec) should match exactly at temperature 0; early exit
 may not, and its panel then shows the realised agreement. The engine keeps
 reply B as the answer in the conversation: the next turn continues from it.
+
+## The draft head
+
+**F7** reaches `eagle` when a draft head is loaded: one decoder layer fed the
+target's own hidden states drafts (a few % of a target step). Train one for
+the target with `specchat train-draft --minutes N`; the chat finds it in the
+cache, or takes `--draft-head FOLDER` (a speculators EAGLE-3 checkpoint, as
+vLLM serves). The inspector names the drafter of each round.
 
 ## Settings
 
