@@ -73,6 +73,10 @@ class HeadDrafter:
             self.target.crop_to(valid)
         if valid < need:
             self.target.prefill(seq)
+        # Rows the head has not seen (a prompt, a copied stretch) go in here, untimed, all
+        # but the last: the controller reads a round's draft time as K draft steps.
+        if need - 1 > min(self.cache.cached, self.confirmed):
+            self._feed(seq, need - 1)
 
     @torch.inference_mode()
     def _rows(self, seq: list[int]) -> tuple[Tensor, Tensor]:
@@ -80,14 +84,21 @@ class HeadDrafter:
         m = len(seq) - 1  # rows 0..m-1: features f_j of seq[j], token seq[j + 1]
         if min(self.fresh, self.target.cached) < m or self._feats is None:
             raise RuntimeError(f"the head has target features for {self.fresh} of {m} positions")
+        out, logits = self._feed(seq, m)
+        return logits[-1], out[-1:]
+
+    def _feed(self, seq: list[int], m: int) -> tuple[Tensor, Tensor]:
+        """Head rows up to m-1 from the target's features: (outputs, logits) of the rows fed."""
+        assert self._feats is not None
         start = min(self.cache.cached, self.confirmed, m - 1)
         self.cache.crop(start)
         ids = torch.tensor(seq[start + 1 : m + 1], dtype=torch.long, device=self._feats.device)
-        out, logits = self.head.step(
-            self.embed(ids).to(self.dtype), self._feats[start:m], self.cache
-        )
+        with torch.inference_mode():
+            out, logits = self.head.step(
+                self.embed(ids).to(self.dtype), self._feats[start:m], self.cache
+            )
         self.confirmed = m
-        return logits[-1], out[-1:]
+        return out, logits
 
     def propose(
         self, seq: list[int], k: int, cfg: DecodeConfig, generator: torch.Generator | None

@@ -363,7 +363,13 @@ class EagleHead(nn.Module):
         return out
 
     def parameter_count(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        """Weights of the head, quantized projections (packed into buffers) included."""
+        n = sum(p.numel() for p in self.parameters())
+        for m in self.modules():
+            shape: tuple[Any, Any] = (vars(m).get("in_features"), vars(m).get("out_features"))
+            if not isinstance(m, nn.Linear) and None not in shape:
+                n += int(shape[0]) * int(shape[1])
+        return n
 
 
 def init_head(head: EagleHead, seed: int = 0) -> EagleHead:
