@@ -39,8 +39,13 @@ class HeadDrafter:
         self.fresh = 0  # features of positions 0..fresh-1 belong to the current sequence
         param = next(head.parameters(), None)
         self.dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
-        target.capture = head.config.aux_layers
-        target.on_features = self._store
+        self.attach()
+
+    def attach(self) -> None:
+        """Take the target's features from every pass it runs (the session does this for
+        eagle turns only: other turns skip the capture, and catch_up fills the gap)."""
+        self.target.capture = self.head.config.aux_layers
+        self.target.on_features = self._store
 
     def describe(self) -> str:
         c = self.head.config

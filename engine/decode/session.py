@@ -494,6 +494,11 @@ class ChatSession:
 
         # Reuse the cached prefix; prefill the rest (all but the last token).
         reuse = self._start(ids, lossless=run_mode is not Mode.EARLY_EXIT)
+        if self.head_drafter is not None:  # features only where the head drafts
+            if run_mode is Mode.EAGLE:
+                self.head_drafter.attach()
+            else:
+                self.head_drafter.detach()
         t0 = time.perf_counter()
         self.target_runner.prefill(ids)
         if isinstance(drafter, ModelDrafter):

@@ -111,6 +111,18 @@ def test_greedy_eagle_equals_plain(target, compose: bool) -> None:
     assert tokens(again) == tokens(list(fresh.stream("three four", cfg.with_(mode=Mode.PLAIN))))
 
 
+def test_other_modes_skip_the_capture_and_eagle_catches_up_after_them(target) -> None:
+    cfg = DecodeConfig(mode=Mode.EAGLE, k=2, max_new_tokens=16, compose=False)
+    chat = session(target, random_head(target))
+    ref = session(target, None)
+    for mode in (Mode.EAGLE, Mode.PLAIN, Mode.EAGLE):
+        prompt = f"{mode.value} one two"
+        got = tokens(list(chat.stream(prompt, cfg.with_(mode=mode))))
+        assert got == tokens(list(ref.stream(prompt, cfg.with_(mode=Mode.PLAIN))))
+        capturing = chat.target_runner.on_features is not None
+        assert capturing == (mode is Mode.EAGLE)
+
+
 def test_eagle_without_a_head_says_so_and_decodes_plainly(target) -> None:
     events = list(session(target, None).stream(PROMPT, DecodeConfig(mode=Mode.EAGLE, max_new_tokens=8)))
     notices = [getattr(e, "message", "") for e in events]
