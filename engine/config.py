@@ -20,6 +20,10 @@ class Mode(StrEnum):
     EARLY_EXIT = "early-exit"  # target alone, may stop at an intermediate layer (lossy)
     LOOKUP = "lookup"  # drafts copied from earlier in the conversation (n-gram match), no draft model
     EAGLE = "eagle"  # a trained head on the target's own hidden states drafts (EAGLE-3), the target verifies
+    REMOTE = "remote"  # a served engine decodes, speculating as it was started to (engine/remote)
+
+
+LOCAL_MODES = tuple(m for m in Mode if m is not Mode.REMOTE)  # what the local engine runs
 
 
 SPECULATIVE_MODES = frozenset({Mode.SPEC, Mode.SELF_SPEC, Mode.LOOKUP, Mode.EAGLE})  # draft, then verify

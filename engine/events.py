@@ -27,6 +27,7 @@ class Provenance(StrEnum):
     BONUS = "bonus"  # the target's extra token when all K drafts were accepted
     EARLY_EXIT = "early-exit"  # the target stopped at an intermediate layer
     TARGET = "target"  # plain target decoding
+    REMOTE = "remote"  # a served engine's token: its API does not say which were drafted
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +53,9 @@ class TokenEvent:
     rejected_id: int | None = None  # CORRECTED only: the refused draft token
     rejected_text: str | None = None
     t: float = 0.0  # time.perf_counter() at emission
+    # A served engine's most likely tokens at this step, (text, probability), best first,
+    # where it returned logprobs; token_id is -1 where the server gives no id (vLLM, SGLang).
+    alternatives: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +63,9 @@ class RoundEvent:
     """One decoding round: sent after the round's TokenEvents.
 
     For plain and early-exit rounds `k` is 0 and `draft_ms` is 0;
-    `verify_ms` is then the target's step time.
+    `verify_ms` is then the target's step time. For a served engine (Mode.REMOTE)
+    a round is one chunk of its stream: `k` 0, `verify_ms` the gap since the
+    previous chunk; its acceptance comes in `ServerStats`.
     """
 
     round: int
@@ -77,6 +83,55 @@ class RoundEvent:
     # Which drafter proposed this round's drafts ("lookup", the draft model's name,
     # "self-spec E=7"); None for a round without drafts.
     drafter: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ServerStats:
+    """What a served engine says of its speculative decoding during one reply.
+
+    Counts are the reply's own where the server reports them per request
+    (`source` "timings": llama.cpp's server), else the growth of its metrics
+    counters since the reply started (`source` "metrics"), which counts other
+    requests too when they ran meanwhile (`scope` "server-wide"). None: the server
+    does not expose that figure. `speculative` False: the server decodes without
+    drafts (it said so); None: it does not say.
+    """
+
+    kind: str  # "vllm" | "sglang" | "llama.cpp" | "openai" (an unknown OpenAI-compatible server)
+    source: str  # "timings" | "metrics" | "none"
+    scope: str = "reply"  # "reply" | "server-wide"
+    speculative: bool | None = None
+    drafts: int | None = None  # verification steps that checked drafts
+    draft_tokens: int | None = None
+    accepted: int | None = None
+    accepted_per_position: tuple[int, ...] = ()  # accepted tokens at draft position 1, 2, ...
+    accept_length: float | None = None  # the server's own mean accepted length (SGLang's gauge)
+    accept_rate: float | None = None  # the server's own acceptance rate (SGLang's gauge)
+    kv_cache_usage: float | None = None  # 0..1 of the server's KV cache
+    running: int | None = None  # requests the server was decoding at the last sample
+    final: bool = False  # taken after the reply ended
+    t: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        if not self.draft_tokens or self.accepted is None:
+            return self.accept_rate
+        return self.accepted / self.draft_tokens
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens per verification step: the accepted drafts plus the target's own token."""
+        if self.drafts and self.accepted is not None:
+            return 1.0 + self.accepted / self.drafts
+        return self.accept_length
+
+    def by_position(self) -> list[float]:
+        """Share of the drafts whose token at position i was accepted, as vLLM and
+        llama.cpp state it (accepted at i / drafts). Not the chat's conditional rate:
+        a server's drafts vary in length, and how many reached position i it does not say."""
+        if not self.accepted_per_position or not self.drafts:
+            return []
+        return [n / self.drafts for n in self.accepted_per_position]
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +189,7 @@ class Ready:
     load_seconds: float = 0.0
     notes: tuple[str, ...] = ()
     draft_head: str | None = None  # the draft head --mode eagle drafts with (None: no head)
+    server: str | None = None  # a served engine's kind and URL ("llama.cpp http://…"); None: local
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +229,7 @@ class TurnStats:
     text: str
     early_exits: int = 0
     mean_layers: float | None = None  # average target layers executed per token
+    server: ServerStats | None = None  # a served engine's figures for this reply (Mode.REMOTE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +256,7 @@ class Failed:
 Event = Union[  # noqa: UP007 - a runtime union, used by from_dict
     TokenEvent,
     RoundEvent,
+    ServerStats,
     SystemSample,
     LoadProgress,
     Ready,

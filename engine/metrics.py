@@ -45,6 +45,7 @@ from .events import (
     Failed,
     Provenance,
     RoundEvent,
+    ServerStats,
     TokenEvent,
     TurnFinished,
     TurnStarted,
@@ -196,6 +197,10 @@ class DecodeMetrics:
         self._exit_layer_sum = 0
         # tokens of the round in progress
         self._pending: list[TokenEvent] = []
+        # a served engine's figures: the reply's latest, and the session's finished replies
+        self.server: ServerStats | None = None
+        self.server_drafted = 0
+        self.server_accepted = 0
 
     def observe(self, event: object, *, now: float | None = None) -> None:
         """Take one engine event into account.
@@ -208,6 +213,11 @@ class DecodeMetrics:
             self._on_token(event)
         elif isinstance(event, RoundEvent):
             self._on_round(event)
+        elif isinstance(event, ServerStats):
+            self.server = event
+            if event.final and event.draft_tokens is not None and event.accepted is not None:
+                self.server_drafted += event.draft_tokens
+                self.server_accepted += event.accepted
         elif isinstance(event, TurnStarted):
             self.start_turn(time.perf_counter() if now is None else now)
         elif isinstance(event, TurnFinished):
@@ -288,6 +298,19 @@ class DecodeMetrics:
             self.token_latencies_ms.extend([per_token] * n)
             if emit_t > 0:
                 self._last_emit_t = emit_t
+
+    def stream_bursts(self, gap_ms: float = 3.0) -> tuple[int, int] | None:
+        """(bursts, tokens) over the kept rounds of a served engine's stream (Mode.REMOTE).
+
+        A server that verifies drafts sends the tokens of one verify step back to back;
+        a chunk arriving more than `gap_ms` after the one before starts a new burst, so
+        tokens per burst is the accepted length as the client sees it. None without
+        remote rounds."""
+        remote = [r for r in self.round_timings if r.mode is Mode.REMOTE and r.tokens]
+        if not remote:
+            return None
+        bursts = sum(1 for i, r in enumerate(remote) if i == 0 or r.verify_ms > gap_ms)
+        return bursts, sum(r.tokens for r in remote)
 
     def _on_finished(self, ev: TurnFinished) -> None:
         stats = ev.stats

@@ -22,6 +22,7 @@ TOKEN_VARIABLES: dict[str, str] = {
     "bonus": "token-bonus",
     "early-exit": "token-early-exit",
     "target": "token-target",
+    "remote": "token-remote",
 }
 
 # The text style paired with each provenance's colour (Textual text-style names,
@@ -32,6 +33,7 @@ TEXT_STYLES: dict[str, str] = {
     "bonus": "bold",
     "early-exit": "italic",
     "target": "none",
+    "remote": "none",  # a served reply is remote throughout: nothing to tell apart
 }
 
 # Okabe & Ito (2008) colour-universal-design palette.
@@ -54,6 +56,7 @@ PROVENANCE_DEFAULTS: dict[str, str] = {
     "token-bonus": "#C99A1A",
     "token-early-exit": "#B877C4",
     "token-target": "#8C9AA6",
+    "token-remote": "#5FB08A",
 }
 
 SPECCHAT_DARK = Theme(
@@ -75,6 +78,7 @@ SPECCHAT_DARK = Theme(
         "token-bonus": "#F2C14E",
         "token-early-exit": "#C792EA",
         "token-target": "#B8C4CE",
+        "token-remote": "#8FD6B4",
         "footer-key-foreground": "#5FA8D3",
     },
 )
@@ -98,6 +102,7 @@ SPECCHAT_LIGHT = Theme(
         "token-bonus": "#8A6100",
         "token-early-exit": "#7B3FA0",
         "token-target": "#3A444C",
+        "token-remote": "#2E6B50",
         "footer-key-foreground": "#1F5F8B",
     },
 )
@@ -123,6 +128,7 @@ SPECCHAT_OKABE_ITO = Theme(
         "token-bonus": OKABE_ITO["yellow"],
         "token-early-exit": OKABE_ITO["reddish-purple"],
         "token-target": "#F0F0F0",
+        "token-remote": OKABE_ITO["bluish-green"],
         "footer-key-foreground": OKABE_ITO["sky-blue"],
     },
 )

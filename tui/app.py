@@ -52,6 +52,7 @@ from specchat.engine.events import (
     LoadProgress,
     Notice,
     RoundEvent,
+    ServerStats,
     TokenEvent,
     TurnFinished,
     TurnStarted,
@@ -68,6 +69,7 @@ from .messages import (
     GenerationStarted,
     LoadUpdated,
     RoundsCompleted,
+    ServerSampled,
     StreamedRound,
     SystemSampled,
 )
@@ -244,6 +246,9 @@ class SpecChatApp(App[None]):
             names += f" ({self.models_label})"
         status.models = names
         status.state = "ready"
+        for legend in self.query(Legend):
+            legend.remote = bool(ready.server)
+        self._refresh_decode()
         text = f"Ready: {ready.summary}"
         if ready.load_seconds:
             text += f" (loaded in {ready.load_seconds:.1f} s)"
@@ -359,6 +364,8 @@ class SpecChatApp(App[None]):
                         self.post_message(GenerationStarted(reply_id, ev, submitted))
                     elif isinstance(ev, Notice):
                         self.post_message(EngineNotice(reply_id, ev))
+                    elif isinstance(ev, ServerStats):
+                        self.post_message(ServerSampled(reply_id, ev))
                     elif isinstance(ev, TurnFinished | Cancelled | Failed):
                         outcome = ev
         except EngineError as exc:
@@ -428,6 +435,10 @@ class SpecChatApp(App[None]):
             if rnd is not None:
                 metrics.observe(rnd)
             self.state.context_tokens += len(tokens)
+
+    def on_server_sampled(self, message: ServerSampled) -> None:
+        self.state.metrics.observe(message.stats)
+        self._schedule_panels()
 
     def on_engine_notice(self, message: EngineNotice) -> None:
         if message.reply_id is not None and message.reply_id not in self._replies:
@@ -534,6 +545,10 @@ class SpecChatApp(App[None]):
             self.notify("A/B needs a finished reply: send a prompt first.", title="A/B")
             return
         a_mode = a.started.mode if a.started else a.config.mode
+        if a_mode is Mode.REMOTE:
+            self.notify("The server decides how it decodes: A/B compares the local engine's modes.",
+                        title="A/B")  # fmt: skip
+            return
         if a_mode is Mode.PLAIN:
             self.notify("The last reply is already plain decoding.", title="A/B")
             return
@@ -638,7 +653,9 @@ class SpecChatApp(App[None]):
         self._schedule_panels()
 
     def _refresh_decode(self) -> None:
-        self.query_one(StatusLine).decode = describe_decode(self.state.decode)
+        ready = self.state.ready
+        server = ready.server.split(" ", 1)[0] if ready is not None and ready.server else None
+        self.query_one(StatusLine).decode = describe_decode(self.state.decode, server)
 
     def action_set_decode(self, name: str, value: object) -> None:
         """Set one decode setting of `actions.SETTINGS` (the palette's entries)."""
@@ -651,13 +668,25 @@ class SpecChatApp(App[None]):
         """Move one decode setting to the next value of its cycle (its F-key)."""
         setting = actions.SETTINGS[name]
         values = setting.values
+        if name == "mode" and self._server_decides():
+            return
         if name == "mode":  # eagle only where the backend has a draft head
             ready = self.state.ready
             values = tuple(m for m in values if m is not Mode.EAGLE or (ready and ready.draft_head))
         value = setting.step(values, getattr(self.state.decode, setting.field))
         self.action_set_decode(name, setting.to_action(value))
 
+    def _server_decides(self) -> bool:
+        """On a served engine the mode is the server's: say so, and change nothing."""
+        if self.state.ready is None or not self.state.ready.server:
+            return False
+        self.notify("The server decodes as it was started to (its draft, head or n-gram); "
+                    "modes are the local engine's.", title="Mode")  # fmt: skip
+        return True
+
     def action_plain_toggle(self) -> None:
+        if self._server_decides():
+            return
         mode = self.state.decode.mode
         if mode is Mode.PLAIN:
             self.action_set_decode("mode", self._mode_before_plain.value)

@@ -21,6 +21,7 @@ from specchat.engine.events import (
     Notice,
     Ready,
     RoundEvent,
+    ServerStats,
     SystemSample,
     TokenEvent,
     TurnFinished,
@@ -130,3 +131,14 @@ class SystemSampled(Message):
 
     def can_replace(self, message: Message) -> bool:
         return isinstance(message, SystemSampled)
+
+
+@dataclass
+class ServerSampled(Message):
+    """A served engine's figures for reply `reply_id`; a newer one replaces a queued one."""
+
+    reply_id: int
+    stats: ServerStats
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, ServerSampled) and not message.stats.final

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..config import SPEC_ALONE, DecodeConfig, Mode, QuantMode
+from ..config import LOCAL_MODES, SPEC_ALONE, DecodeConfig, Mode, QuantMode
 from ..errors import EngineError
 from ..events import Failed, Notice, RoundEvent, TokenEvent, TurnFinished, TurnStarted
 
@@ -36,7 +36,7 @@ except Exception:  # pragma: no cover - psutil is a dependency
 HF_GENERATE = "hf-generate"
 HF_ASSISTED = "hf-assisted"
 BASELINES = (HF_GENERATE, HF_ASSISTED)
-SESSION_ARMS = (*(m.value for m in Mode), SPEC_ALONE)
+SESSION_ARMS = (*(m.value for m in LOCAL_MODES), SPEC_ALONE)
 ROLES = ("system", "user", "assistant")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTS = ("auto", *(q.value for q in QuantMode))

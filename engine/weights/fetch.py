@@ -972,6 +972,31 @@ def fetch_preset(
     return out
 
 
+def fetch_gguf(
+    name: str,
+    *,
+    cache_dir: Path | str | None = None,
+    progress: Progress | None = None,
+    downloader: Downloader | None = None,
+    hub: bool = True,
+) -> Path:
+    """The verified GGUF file of preset `name` itself, kept in the cache: what another
+    engine (llama.cpp's server) loads. Same sources and checks as `fetch_preset`; a
+    later conversion of the preset deletes it again unless `keep_gguf`."""
+    preset = _preset(name)
+    if preset.gguf is None:
+        raise FetchError(f"{preset.display} is not published as a GGUF file")
+    if preset.as_gguf:
+        return published_gguf(preset, progress=progress)
+    root = cache_root(cache_dir)
+    with _locked(root, name, progress):
+        dest = _gguf_path(preset, root)
+        if not dest.is_file():
+            check_disk_space([name], root, keep_gguf=True)
+        gguf, _ = _obtain_gguf(preset, root, progress, downloader, hub)
+    return gguf
+
+
 def verify_preset(
     name: str, *, cache_dir: Path | str | None = None, progress: Progress | None = None
 ) -> tuple[str, ...]:

@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specchat.engine.config import Mode
+from specchat.engine.config import LOCAL_MODES
 
 from . import bench as bench_cmd
 
-ARMS = [m.value for m in Mode] + ["hf-generate", "hf-assisted"]
+ARMS = [m.value for m in LOCAL_MODES] + ["hf-generate", "hf-assisted"]
 
 
 def add_parser(sub: Any) -> None:
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     seeds = args.dist_seeds
     if seeds is None:
         seeds = 200 if cfg.temperature > 0 else 0
-    if seeds and (args.a not in {m.value for m in Mode} or args.b not in {m.value for m in Mode}):
+    if seeds and (args.a not in {m.value for m in LOCAL_MODES} or args.b not in {m.value for m in LOCAL_MODES}):
         return bench_cmd.error("the distribution check compares session modes, not hf-* baselines")
 
     bench_cmd.quiet_transformers()

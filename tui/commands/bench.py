@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specchat.engine.config import SPEC_ALONE, Mode
+from specchat.engine.config import LOCAL_MODES, SPEC_ALONE
 
 from . import common
 
-ALL_MODES = ",".join(m.value for m in Mode)
+ALL_MODES = ",".join(m.value for m in LOCAL_MODES)
 
 
 def add_parser(sub: Any) -> None:
@@ -240,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
     if args.prompts is None:
         return error("--prompts is required", hint="e.g. --prompts prompts.jsonl")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in {x.value for x in Mode} | {SPEC_ALONE}]
+    bad = [m for m in modes if m not in {x.value for x in LOCAL_MODES} | {SPEC_ALONE}]
     if bad:
         return error(
             f"unknown mode(s) {', '.join(bad)}", hint=f"choose from {ALL_MODES},{SPEC_ALONE}"

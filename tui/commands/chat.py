@@ -25,6 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         ),
     )
     common.add_model_args(p)
+    common.add_server_args(p)
     common.add_decode_args(p)
     g = p.add_argument_group("chat")
     g.add_argument(
@@ -49,6 +50,13 @@ def _replay_loader(path: str, speed: float):  # type: ignore[no-untyped-def]
         from specchat.engine.tools.replay import ReplaySession
 
         return ReplaySession.from_file(path, pace=speed if speed > 0 else None, progress=progress)
+
+    return load
+
+
+def _server_loader(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    def load(progress):  # type: ignore[no-untyped-def]
+        return common.connect_server(args, progress)
 
     return load
 
@@ -108,6 +116,9 @@ def build_app(args: argparse.Namespace):  # type: ignore[no-untyped-def]
             return 2
         loader = _replay_loader(args.replay, args.replay_speed)
         label = f"replay of {Path(args.replay).name}"
+    elif args.server:
+        loader = _server_loader(args)
+        label = f"connecting to {args.server}…"
     else:
         if args.target is None and settings.target:
             args.target = settings.target

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from importlib import metadata
 
-from specchat.engine.config import DecodeConfig, Mode, ModelSpec, QuantMode
+from specchat.engine.config import LOCAL_MODES, DecodeConfig, Mode, ModelSpec, QuantMode
 
 
 def version() -> str:
@@ -13,6 +13,43 @@ def version() -> str:
         return metadata.version("specchat")
     except metadata.PackageNotFoundError:
         return "unknown"
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("served engine (instead of local models)")
+    g.add_argument(
+        "--server",
+        metavar="URL",
+        help="chat with a vLLM, SGLang or llama.cpp server over its OpenAI-compatible API "
+        "(e.g. http://127.0.0.1:8080); its acceptance comes from its metrics",
+    )
+    g.add_argument(
+        "--server-kind",
+        default="auto",
+        choices=["auto", "vllm", "sglang", "llama.cpp"],
+        help="which engine serves (auto: asked of the server)",
+    )
+    g.add_argument("--model", default=None, help="the served model to use (default: the first it lists)")
+    g.add_argument(
+        "--api-key-env",
+        default=None,
+        metavar="VAR",
+        help="environment variable holding the server's API key (none is sent without it)",
+    )
+
+
+def connect_server(args: argparse.Namespace, progress=None, system_prompt: str | None = None):  # type: ignore[no-untyped-def]
+    """The RemoteSession the --server flags ask for (EngineError when it cannot be had)."""
+    from specchat.engine.remote.session import RemoteSession
+
+    return RemoteSession.connect(
+        args.server,
+        kind=args.server_kind,
+        model=args.model,
+        api_key_env=args.api_key_env,
+        system_prompt=system_prompt,
+        progress=progress,
+    )
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -76,7 +113,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_decode_args(p: argparse.ArgumentParser, *, mode_default: str | None = None) -> None:
     g = p.add_argument_group("decoding")
-    g.add_argument("--mode", choices=[m.value for m in Mode], default=mode_default)
+    g.add_argument("--mode", choices=[m.value for m in LOCAL_MODES], default=mode_default)
     g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 0)")
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--top-k", type=int, default=None)

@@ -22,6 +22,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--json", action="store_true", help="write the event trace as JSON lines")
     common.add_model_args(p)
+    common.add_server_args(p)
     common.add_decode_args(p, mode_default=None)
     p.set_defaults(func=run)
 
@@ -59,15 +60,19 @@ def run(args: argparse.Namespace) -> int:
             write(event)
 
     try:
-        session = ChatSession.load(
-            target,
-            draft,
-            cache_dir=Path(args.cache_dir) if args.cache_dir else None,
-            progress=progress,
-            threads=args.threads,
-            draft_head=getattr(args, "draft_head", "auto"),
-            system_prompt=args.system,
-        )
+        session: Any
+        if args.server:
+            session = common.connect_server(args, progress, system_prompt=args.system)
+        else:
+            session = ChatSession.load(
+                target,
+                draft,
+                cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+                progress=progress,
+                threads=args.threads,
+                draft_head=getattr(args, "draft_head", "auto"),
+                system_prompt=args.system,
+            )
     except EngineError as exc:
         return common.fail(exc.message, exc.hint)
 
@@ -96,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
         elif isinstance(event, TurnFinished):
             console.print()
             console.print(summary_line(event.stats), style="dim", markup=False)
+            if event.stats.server is not None:
+                console.print(server_line(event.stats.server), style="dim", markup=False)
         elif isinstance(event, Cancelled):
             console.print("\n(cancelled)", style="dim")
         elif isinstance(event, Failed):
@@ -103,6 +110,26 @@ def run(args: argparse.Namespace) -> int:
             status = common.fail(event.message, event.hint)
     out.flush()
     return status
+
+
+def server_line(server: Any) -> str:
+    """What a served engine said of the reply's speculation, in one line."""
+    head = f"{server.kind} server ({server.source}, {server.scope})"
+    if server.speculative is False:
+        return f"{head}: no speculative decoding"
+    if server.acceptance_rate is None and server.mean_accepted_length is None:
+        return f"{head}: no acceptance figures"
+    parts = [head]
+    if server.draft_tokens is not None and server.accepted is not None:
+        rate = server.acceptance_rate
+        parts.append(f"accepted {server.accepted}/{server.draft_tokens} drafts"
+                     + (f" ({rate:.0%})" if rate is not None else ""))  # fmt: skip
+    if server.mean_accepted_length is not None:
+        parts.append(f"{server.mean_accepted_length:.2f} tokens / verify step")
+    pos = server.by_position()
+    if pos:
+        parts.append("accepted at position / drafts " + " ".join(f"{p:.2f}" for p in pos))
+    return " | ".join(parts)
 
 
 def summary_line(stats: Any) -> str:

@@ -14,6 +14,9 @@ class AcceptancePanel(Panel):
 
     def render(self) -> Group:
         m = self.state.metrics
+        ready = self.state.ready
+        if ready is not None and ready.server:
+            return self._render_server()
         rate = m.acceptance_rate
         mean_len = m.mean_accepted_length
         rows: list[tuple[str, str | Text]] = [
@@ -42,4 +45,35 @@ class AcceptancePanel(Panel):
         if hist:
             parts.append(Text("accepted per round", style="bold"))
             parts.append(histogram([(str(n), c) for n, c in enumerate(hist)]))
+        return Group(*parts)  # type: ignore[arg-type]
+
+    def _render_server(self) -> Group:
+        """A served engine's own figures: from its per-request timings or its metrics."""
+        m = self.state.metrics
+        s = m.server
+        if s is None:
+            return Group(Text("waiting for the server's figures…", style="italic"))
+        where = "this reply" if s.scope == "reply" else "server-wide (other requests ran)"
+        origin = {"timings": "the request's timings", "metrics": "metrics counters",
+                  "none": "nothing: no metrics endpoint"}.get(s.source, s.source)  # fmt: skip
+        rows: list[tuple[str, str | Text]] = [("server", f"{s.kind} · {where}"), ("from", origin)]
+        if s.speculative is False:
+            rows.append(("drafts", "none: the server decodes without speculation"))
+            return Group(key_values(rows))
+        rate = s.acceptance_rate
+        rows.append(("rate", "n/a" if rate is None else f"{pct(rate, 1)}  ({s.accepted}/{s.draft_tokens} drafts)"))
+        mean = s.mean_accepted_length
+        rows.append(("mean length", "n/a" if mean is None else f"{mean:.2f} tokens / verify step"))
+        if m.server_drafted:
+            rows.append(("session", f"{pct(m.server_accepted / m.server_drafted, 1)} "
+                                    f"({m.server_accepted}/{m.server_drafted})"))  # fmt: skip
+        parts: list[object] = [key_values(rows)]
+        by_pos = s.by_position()
+        if by_pos:
+            parts.append(Text("accepted at position, of all drafts", style="bold"))
+            lines = Text()
+            for i, rate_i in enumerate(by_pos, 1):
+                lines.append(f"{i:>3} {bar(rate_i)} {pct(rate_i):>5}\n")
+            lines.rstrip()
+            parts.append(lines)
         return Group(*parts)  # type: ignore[arg-type]

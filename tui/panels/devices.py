@@ -33,7 +33,9 @@ class DevicesPanel(Panel):
             cores.rstrip()
             parts.append(cores)
             gpu = "n/a"
-            if s.gpu_mem_total_bytes is not None:
+            if st.ready is not None and st.ready.server:
+                gpu = "n/a (remote: its metrics carry no GPU figures)"
+            elif s.gpu_mem_total_bytes is not None:
                 util = "n/a" if s.gpu_util_percent is None else f"{s.gpu_util_percent:.0f}%"
                 gpu = (
                     f"{s.gpu_name or 'GPU'} · util {util} · "
@@ -50,6 +52,9 @@ class DevicesPanel(Panel):
         ready = st.ready
         target = ready.target if ready else None
         draft = ready.draft if ready else None
+        if ready is not None and ready.server:
+            parts.append(self._server_rows(ready.server))
+            return Group(*parts)  # type: ignore[arg-type]
         rows: list[tuple[str, str | Text]] = [
             ("target", _model_line(target)),
             ("draft", _model_line(draft)),
@@ -71,3 +76,18 @@ class DevicesPanel(Panel):
         rows.append(("weights", nbytes(weights)))
         parts.append(key_values(rows))
         return Group(*parts)  # type: ignore[arg-type]
+
+    def _server_rows(self, server: str) -> object:
+        """Where a served engine runs, and the KV-cache share its metrics report."""
+        m = self.state.metrics.server
+        kv = "n/a (not in its metrics)"
+        if m is not None and m.kv_cache_usage is not None:
+            kv = f"{pct(m.kv_cache_usage, 1)} of the server's cache {bar(m.kv_cache_usage, 12)}"
+        running = "n/a" if m is None or m.running is None else str(m.running)
+        rows: list[tuple[str, str | Text]] = [
+            ("target", f"remote: {server}"),
+            ("KV cache", kv),
+            ("requests", f"{running} running at the last sample"),
+            ("this CPU", "the chat client only"),
+        ]
+        return key_values(rows)

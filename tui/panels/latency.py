@@ -26,6 +26,17 @@ class _LatencyText(Widget):
 
     def render(self) -> Group | KeyValues:
         m = self.state.metrics
+        remote = self.state.ready is not None and bool(self.state.ready.server)
+        if self.part == "head" and remote:
+            return key_values(
+                [
+                    ("inter-token", f"{ms(m.p50_ms)} / {ms(m.p95_ms)} p50 / p95 (stream gaps)"),
+                    ("first token", "n/a" if m.ttft_s is None else ms(m.ttft_s * 1000)),
+                    ("tokens/s", "n/a" if m.tokens_per_s is None else f"{m.tokens_per_s:.1f}"),
+                ]
+            )
+        if remote:
+            return self._remote_rounds()
         if self.part == "head":
             return key_values(
                 [
@@ -58,6 +69,20 @@ class _LatencyText(Widget):
             rows.append(("expected", f"{speedup:.2f}× at {at}"))
         formula = "(1−α^(K+1)) / ((1−α)(K·c+v))" if v is not None else "(1−α^(K+1)) / ((1−α)(K·c+1))"
         return Group(key_values(rows), Text(f"speedup = {formula}", style="italic"))
+
+
+    def _remote_rounds(self) -> Group:
+        m = self.state.metrics
+        bursts = m.stream_bursts()
+        rows: list[tuple[str, str | Text]] = []
+        if bursts is None:
+            rows.append(("bursts", "n/a (no reply yet)"))
+        else:
+            n, tokens = bursts
+            rows.append(("bursts", f"{n} · {tokens / n:.2f} tokens each"))
+        note = ("A server that verifies drafts sends one verify step's tokens back to back: "
+                "tokens per burst is its accepted length as this client sees it.")  # fmt: skip
+        return Group(key_values(rows), Text(note, style="italic"))
 
 
 class LatencyPanel(Panel):

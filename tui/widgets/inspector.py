@@ -47,13 +47,20 @@ class Inspector(Widget):
         grid.add_column()
         grid.add_row("token", f"{self.index + 1} of {self.count}")
         piece = Text(visible(tok.text), style=style)
-        piece.append(f"  id {tok.token_id}", style="")
+        piece.append(f"  id {tok.token_id}" if tok.token_id >= 0 else "  id n/a (server)", style="")
         grid.add_row("text", piece)
         label = Text(LABELS[tok.provenance].upper(), style=style)
         if tok.position is not None:
             label.append(f"  draft position {tok.position + 1}", style="")
         grid.add_row("source", label)
         grid.add_row("", Text(DESCRIPTIONS[tok.provenance], style="italic"))
+        if tok.provenance is Provenance.REMOTE:
+            grid.add_row("p (server)", _p(tok.p_target) if tok.p_target is not None else "n/a (none sent for this token)")
+            for rank, (alt, p_alt) in enumerate(tok.alternatives, 1):
+                grid.add_row("" if rank > 1 else "top", f"{visible(alt)}  {_p(p_alt)}")
+            grid.add_row("round", f"{tok.round} (a chunk of the server's stream)")
+            grid.add_row("", Text(self.HELP, style="italic"))
+            return grid
         grid.add_row("p_target", _p(tok.p_target))
         p_draft = _p(tok.p_draft)
         copied = self.round is not None and (

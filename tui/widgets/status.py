@@ -12,11 +12,13 @@ from specchat.engine.config import DecodeConfig, Mode
 from specchat.engine.events import LoadProgress
 
 
-def describe_decode(cfg: DecodeConfig) -> str:
-    """The settings the next reply decodes with; the exit budget only where it applies."""
+def describe_decode(cfg: DecodeConfig, server: str | None = None) -> str:
+    """The settings the next reply decodes with; the exit budget only where it applies.
+    On a served engine (`server`: its kind) the mode and K are the server's."""
     k = "auto" if cfg.k is None else str(cfg.k)
     temp = "greedy" if cfg.greedy else f"T {cfg.temperature:g}"
-    parts = [f"mode {cfg.mode.value}", f"K {k}", temp, f"top-p {cfg.top_p:g}"]
+    head = [f"served by {server}"] if server else [f"mode {cfg.mode.value}", f"K {k}"]
+    parts = [*head, temp, f"top-p {cfg.top_p:g}"]
     if cfg.mode is Mode.EARLY_EXIT:
         parts.append(f"exit budget {cfg.exit_budget:g}")
     parts.append(f"limit {cfg.max_new_tokens} tok")

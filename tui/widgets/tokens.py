@@ -6,6 +6,7 @@ monochrome terminal):
     accepted    underline         corrected   bold underline
     bonus       bold              early-exit  italic
     target      plain             cursor      reverse
+    remote      plain (a served reply has no other provenance)
 
 Widgets that draw tokens list `TOKEN_COMPONENTS` as component classes, add
 `token_css(<their name>)` to their DEFAULT_CSS and call `provenance_styles()`.
@@ -27,6 +28,7 @@ LABELS: dict[Provenance, str] = {
     Provenance.BONUS: "bonus",
     Provenance.EARLY_EXIT: "early exit",
     Provenance.TARGET: "target",
+    Provenance.REMOTE: "remote",
 }
 
 DESCRIPTIONS: dict[Provenance, str] = {
@@ -35,6 +37,7 @@ DESCRIPTIONS: dict[Provenance, str] = {
     Provenance.BONUS: "the target's extra token when all K drafts were accepted",
     Provenance.EARLY_EXIT: "the target stopped at an intermediate layer",
     Provenance.TARGET: "plain target decoding",
+    Provenance.REMOTE: "the server does not say which were drafted",
 }
 
 TOKEN_COMPONENTS: set[str] = {f"token--{p.value}" for p in Provenance} | {"token--cursor"}
