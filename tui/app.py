@@ -117,9 +117,13 @@ class SpecChatApp(App[None]):
         redraw_interval: float = 0.1,
         panel_interval: float = 1.0,
         ui_budget: float = 0.03,
+        observer: Callable[[str, object], None] | None = None,
     ) -> None:
         super().__init__()
         self.loader = loader
+        # every event of every reply, with the target's name, on the generation thread
+        # (`--metrics-port` feeds its Prometheus endpoint from here)
+        self.observer = observer
         self.settings = settings or Settings()
         self.store = store
         self.state = ChatState(decode=decode or self.settings.decode)
@@ -351,7 +355,10 @@ class SpecChatApp(App[None]):
                 else:
                     assert prompt is not None, "a new turn has a prompt"
                     events = backend.stream(prompt, config, cancel)
+                model = self.state.ready.target.name if self.state.ready else "unknown"
                 for ev in events:  # run the stream to its end: the engine may tidy up after the last event
+                    if self.observer is not None:
+                        self.observer(model, ev)
                     if outcome is not None:
                         continue
                     if isinstance(ev, TokenEvent):

@@ -28,6 +28,18 @@ Series (prefix `specchat_`):
 - `turns_total{model,mode,outcome}`  replies finished, cancelled or failed
 - `tokens_per_second{model,mode}` gauge: the last finished reply
 
+The speculative counters also come in vLLM's shape, so a dashboard built on
+`vllm:spec_decode_*` watches specchat with the prefix swapped for `specchat:`
+(labelled `model_name`, as vLLM's; `position` counts from 0):
+
+- `specchat:spec_decode_num_drafts_total`, `specchat:spec_decode_num_draft_tokens_total`,
+  `specchat:spec_decode_num_accepted_tokens_total`,
+  `specchat:spec_decode_num_accepted_tokens_per_pos_total{position}`
+
+A served engine's reply (Mode.REMOTE) counts there what the server reported for it
+(`TurnStats.server`): its draft and accepted tokens, and its drafts and positions
+where the server says them.
+
 Thread-safe (prometheus-client is): the chat's worker thread may call
 `observe` while the HTTP thread serves scrapes.
 """
@@ -42,7 +54,15 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from ..config import SPECULATIVE_MODES, Mode
-from ..events import Cancelled, Failed, RoundEvent, TokenEvent, TurnFinished, TurnStarted
+from ..events import (
+    Cancelled,
+    Failed,
+    RoundEvent,
+    ServerStats,
+    TokenEvent,
+    TurnFinished,
+    TurnStarted,
+)
 
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -146,6 +166,16 @@ class Telemetry:
         self.tokens_per_second = Gauge(
             "tokens_per_second", "Tokens per second of the last reply", mm, namespace=ns, registry=r
         )
+        mn = ("model_name",)
+        self.spec_drafts = Counter("specchat:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                                   mn, registry=r)  # fmt: skip
+        self.spec_draft_tokens = Counter("specchat:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                                         mn, registry=r)  # fmt: skip
+        self.spec_accepted = Counter("specchat:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                                     mn, registry=r)  # fmt: skip
+        self.spec_per_pos = Counter("specchat:spec_decode_num_accepted_tokens_per_pos",
+                                    "Accepted tokens per draft position.", (*mn, "position"),
+                                    registry=r)  # fmt: skip
         self._streams: dict[tuple[str, str | None], _Stream] = {}
         self._lock = threading.Lock()
 
@@ -165,6 +195,9 @@ class Telemetry:
             self._on_round(st, event, model, mode)
         elif isinstance(event, TurnFinished):
             label = mode or event.stats.mode.value
+            server = event.stats.server
+            if server is not None and server.draft_tokens is not None and server.accepted is not None:
+                self._server_counts(model, label, server)
             self.turns.labels(model, label, event.stats.stop_reason).inc()
             self.tokens_per_second.labels(model, label).set(event.stats.tokens_per_s)
             if event.stats.tokens:
@@ -185,9 +218,15 @@ class Telemetry:
             if t.exit_layer is not None:
                 self.exit_layer.labels(model, label).observe(t.exit_layer)
         if ev.k > 0:
+            accepted = min(ev.accepted, ev.k)
             self.drafted.labels(model, label).inc(ev.k)
-            self.accepted.labels(model, label).inc(min(ev.accepted, ev.k))
-            self.accepted_length.labels(model, label).observe(min(ev.accepted, ev.k))
+            self.accepted.labels(model, label).inc(accepted)
+            self.accepted_length.labels(model, label).observe(accepted)
+            self.spec_drafts.labels(model).inc()
+            self.spec_draft_tokens.labels(model).inc(ev.k)
+            self.spec_accepted.labels(model).inc(accepted)
+            for pos in range(accepted):
+                self.spec_per_pos.labels(model, str(pos)).inc()
         spec_now, spec_next = ev.mode in _SPECULATIVE, ev.next_mode in _SPECULATIVE
         if ev.next_mode is not None and spec_now != spec_next:
             # The controller reports SPEC for any speculative run; name the run's own mode.
@@ -204,6 +243,18 @@ class Telemetry:
                     hist.observe(per)
             if emit > 0:
                 st.last_emit = emit
+
+    def _server_counts(self, model: str, label: str, server: ServerStats) -> None:
+        """A served engine's reply: what it reported, in the same series."""
+        assert server.draft_tokens is not None and server.accepted is not None
+        self.drafted.labels(model, label).inc(server.draft_tokens)
+        self.accepted.labels(model, label).inc(server.accepted)
+        self.spec_draft_tokens.labels(model).inc(server.draft_tokens)
+        self.spec_accepted.labels(model).inc(server.accepted)
+        if server.drafts is not None:
+            self.spec_drafts.labels(model).inc(server.drafts)
+        for pos, n in enumerate(server.accepted_per_position):
+            self.spec_per_pos.labels(model, str(pos)).inc(n)
 
     def observe_run(
         self,

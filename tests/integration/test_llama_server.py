@@ -334,3 +334,40 @@ def test_a_stream_cut_by_the_server_dying_keeps_the_partial_reply(ggufs: tuple[P
         assert "came before are kept" in end.message, end.message
         role, text = session.messages[-1]
         assert role == "assistant" and text
+
+
+def test_the_chat_exports_the_server_s_figures_with_metrics_port(spec_server: llamacpp.Server) -> None:
+    """`specchat --server URL --metrics-port N`: the chat's own endpoint carries what the
+    served engine reported, in vLLM's spec_decode_* shape."""
+    from specchat.tui.cli import build_parser
+    from specchat.tui.commands import chat
+    from specchat.tui.widgets.reply import ReplyView
+
+    port = llamacpp.free_port()
+    args = build_parser().parse_args(["chat", "--server", spec_server.url, "--metrics-port", str(port)])
+    app = chat.build_app(args)
+    assert not isinstance(app, int)
+
+    async def run() -> None:
+        async with app.run_test(size=(160, 48)) as pilot:
+            deadline = time.monotonic() + 30
+            while app.backend is None:
+                assert time.monotonic() < deadline
+                await pilot.pause(0.05)
+            assert any(f"127.0.0.1:{port}/metrics" in n for n in app.backend.ready.notes)
+            await pilot.press(*"Write a Python function that adds two numbers.")
+            await pilot.press("enter")
+            deadline = time.monotonic() + 60
+            while app._busy is not None or not list(app.query(ReplyView)):
+                assert time.monotonic() < deadline
+                await pilot.pause(0.05)
+            reply = list(app.query(ReplyView))[-1]
+            assert isinstance(reply.outcome, TurnFinished)
+            server = reply.outcome.stats.server
+            assert server is not None and server.draft_tokens
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                text = r.read().decode()
+            snap = parse(text.replace("specchat:", "vllm:"), "vllm")
+            assert (snap.draft_tokens, snap.accepted) == (server.draft_tokens, server.accepted)
+
+    asyncio.run(run())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import urllib.request
 
 import pytest
@@ -165,3 +166,36 @@ def test_endpoint_answers_a_scrape_with_the_session_series() -> None:
     assert get("specchat_token_latency_seconds_count", **spec) > 0
     assert get("specchat_token_latency_seconds_count", model="stories260k-target", mode="plain") > 0
     assert get("specchat_turns_total", model="stories260k-target", mode="plain") == 1
+
+
+def test_speculative_counters_in_vllm_s_shape() -> None:
+    """The same rounds as above, in vLLM's spec_decode_* series: read with the vLLM names
+    (prefix swapped) they give what a vLLM dashboard would show."""
+    from specchat.engine.remote.scrape import parse
+
+    t = Telemetry()
+    t.observe(TurnStarted(1, 10, 10, Mode.SPEC), model="m")
+    spec_round(t, 1, 4, 4, at=1.00)
+    spec_round(t, 2, 4, 1, at=1.10)
+    spec_round(t, 3, 2, 0, at=1.30)
+    t.observe(TurnFinished(stats(8)), model="m")
+    from prometheus_client import generate_latest
+
+    text = generate_latest(t.registry).decode()
+    snap = parse(text.replace("specchat:", "vllm:"), "vllm", model="m")
+    assert (snap.drafts, snap.draft_tokens, snap.accepted) == (3, 10, 5)
+    assert snap.per_position == (2, 1, 1, 1)
+
+
+def test_a_served_engine_s_reply_counts_what_the_server_reported() -> None:
+    from specchat.engine.events import ServerStats
+
+    t = Telemetry()
+    server = ServerStats("llama.cpp", "timings", drafts=4, draft_tokens=30, accepted=24,
+                         accepted_per_position=(4, 4, 3), final=True)  # fmt: skip
+    t.observe(TurnStarted(1, 0, 0, Mode.REMOTE), model="m")
+    t.observe(TurnFinished(dataclasses.replace(stats(28, Mode.REMOTE), server=server)), model="m")
+    assert value(t, "specchat_drafted_tokens_total", model="m", mode="remote") == 30
+    assert value(t, "specchat_accepted_tokens_total", model="m", mode="remote") == 24
+    assert value(t, "specchat:spec_decode_num_drafts_total", model_name="m") == 4
+    assert value(t, "specchat:spec_decode_num_accepted_tokens_per_pos_total", model_name="m", position="2") == 3

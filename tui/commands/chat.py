@@ -40,6 +40,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         metavar="X",
         help="replay at X times the recorded speed; 0 = as fast as possible (default 1)",
     )
+    g.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve the chat's figures as Prometheus metrics on 127.0.0.1:PORT/metrics "
+        "(also in vLLM's spec_decode_* shape, prefix specchat:), local or remote backend",
+    )
     g.add_argument("--theme", help="specchat-dark, specchat-light, specchat-okabe-ito or a Textual theme")
     g.add_argument("--config", metavar="FILE", help="settings file to read and update")
     p.set_defaults(func=run)
@@ -127,6 +135,14 @@ def build_app(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         loader = _engine_loader(args)
         label = f"loading {args.target or 'the default pair'}…"
 
+    observer = None
+    if getattr(args, "metrics_port", None) is not None:
+        exported = _export_metrics(args.metrics_port)
+        if isinstance(exported, int):
+            return exported
+        observer, url = exported
+        loader = _noting(loader, f"metrics: {url} (Prometheus; vLLM's spec_decode_* series as specchat:)")
+
     from specchat.tui.app import SpecChatApp
 
     return SpecChatApp(
@@ -136,7 +152,37 @@ def build_app(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         store=store,
         theme=args.theme,
         models_label=label,
+        observer=observer,
     )
+
+
+def _export_metrics(port: int):  # type: ignore[no-untyped-def]
+    """A Telemetry endpoint on 127.0.0.1:port and the observer that feeds it; or an exit status."""
+    from specchat.engine.tools.telemetry import Telemetry
+
+    telemetry = Telemetry()
+    try:
+        server = telemetry.serve(port=port)
+    except OSError as exc:
+        print(f"specchat: cannot serve metrics on 127.0.0.1:{port}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+
+    def observe(model: str, event: object) -> None:
+        telemetry.observe(event, model=model)
+
+    return observe, server.url
+
+
+def _noting(loader, note: str):  # type: ignore[no-untyped-def]
+    """The loader, its backend's Ready carrying one more note."""
+    import dataclasses
+
+    def load(progress):  # type: ignore[no-untyped-def]
+        backend = loader(progress)
+        backend.ready = dataclasses.replace(backend.ready, notes=(*backend.ready.notes, note))
+        return backend
+
+    return load
 
 
 def run(args: argparse.Namespace) -> int:
