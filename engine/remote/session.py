@@ -19,7 +19,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
@@ -351,8 +351,9 @@ class RemoteSession:
     def can_continue(self) -> bool:
         return self._cut and bool(self._messages) and self._messages[-1][0] == "assistant"
 
-    def reset(self) -> None:
-        self._messages.clear()
+    def reset(self, history: Sequence[tuple[str, str]] = ()) -> None:
+        """Start a new conversation (keeps the system prompt), holding `history`'s turns."""
+        self._messages = list(history)
         self._cut = False
 
     def stream(

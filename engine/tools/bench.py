@@ -64,6 +64,7 @@ from .bench_runs import (
     BASELINES,
     HF_ASSISTED,
     HF_GENERATE,
+    SERVER_ARM,
     SESSION_ARMS,
     Arm,
     BenchPrompt,
@@ -80,6 +81,7 @@ from .bench_runs import (
     parse_config_spec,
     parse_config_specs,
     run_hf_arm,
+    run_server_arm,
     run_session_arm,
 )
 from .bench_stats import (
@@ -368,6 +370,7 @@ def run_bench(
     rotate: bool = True,
     progress: Callable[[BenchProgress], None] | None = None,
     telemetry: Telemetry | None = None,
+    remote: Any | None = None,
 ) -> BenchResult:
     """Benchmark `arms` (session modes) and, with `baselines`, transformers' generate.
 
@@ -379,6 +382,8 @@ def run_bench(
     `config` gives the decoding settings (its mode is replaced per arm);
     `max_new_tokens` overrides its length. Seeds: run (repeat r, prompt i)
     uses seed + 1000 r + i in every arm, so sampled runs are paired too.
+    `remote` (a `RemoteSession`) adds the `server` arm: the same prompts through a
+    served engine, interleaved with the local arms.
     """
     configs = (
         list(session)
@@ -403,6 +408,8 @@ def run_bench(
     elif baseline_config not in by_config:
         raise ValueError(f"baseline config {baseline_config!r} is not one of {labels}")
     plan = make_arms(labels, [a for a in modes if a in SESSION_ARMS], base, baseline_config)
+    if remote is not None:
+        plan.append(Arm(SERVER_ARM, labels[0], SERVER_ARM))
     if not plan:
         raise ValueError("no arms to run")
     arm_of = {a.label: a for a in plan}
@@ -427,6 +434,8 @@ def run_bench(
         ses = by_config[arm.config].session
         fresh_conversation(ses, p, original_system[arm.config])
         run_cfg = run_cfg.with_(seed=s)
+        if arm.mode == SERVER_ARM:
+            return run_server_arm(remote, p, run_cfg, rec, telemetry)
         if arm.baseline:
             return run_hf_arm(ses, p, arm.mode, run_cfg, rec, memory[arm.config], s, telemetry)
         return run_session_arm(ses, p, arm.mode, run_cfg, rec, memory[arm.config], telemetry)
@@ -503,7 +512,10 @@ def run_bench(
             if base
             else None,
             "cache_policy": "every run starts a fresh conversation with empty KV caches "
-            "(whole prompt prefilled, no prefix reuse), for every arm",
+            "(whole prompt prefilled, no prefix reuse), for every arm"
+            + (" (the server arm: a fresh conversation; the server's own prefix cache may "
+               "reuse an earlier run's prompt)" if remote is not None else ""),
+            "server": remote.ready.summary if remote is not None else None,
             "latency_definition": "gap between an emission and the previous one / tokens it "
             "carried; the first emission is time to first token",
         },
@@ -545,6 +557,10 @@ def figures(records: Sequence[RunRecord]) -> dict[str, Any]:
     step = median(r.target_step_ms for r in ok if r.target_step_ms)
     per_draft = sum(d for d, _ in costs) / drafted if costs and drafted else None
     per_verify = sum(v for _, v in costs) / len(costs) if costs else None
+    served = [r.server for r in ok if r.server and r.server.get("draft_tokens") is not None]
+    if served and not rounds:  # a served engine's arm: its own counts
+        drafted = sum(int(x["draft_tokens"] or 0) for x in served)
+        accepted = sum(int(x["accepted"] or 0) for x in served)
     return {
         "runs": len(ok),
         "tokens": tokens,
@@ -561,9 +577,12 @@ def figures(records: Sequence[RunRecord]) -> dict[str, Any]:
             "max": max(latencies) if latencies else None,
         },
         "acceptance_rate": accepted / drafted if drafted else None,
-        "mean_accepted_length": (accepted + len(rounds)) / len(rounds) if rounds else None,
+        "mean_accepted_length": (accepted + len(rounds)) / len(rounds)
+        if rounds
+        else _served_length(served) if served and not rounds else None,
         "acceptance_by_position": acceptance_by_position(rounds),
-        "tokens_per_target_pass": sum(chunks) / len(chunks) if chunks else None,
+        # a served engine's passes are not seen by the client (its chunks are tokens)
+        "tokens_per_target_pass": sum(chunks) / len(chunks) if chunks and not served else None,
         # as paid in flight, in plain target steps: c per drafted token, v per verify pass
         "cost_ratio_c": ratio(per_draft, step),
         "verify_ratio_v": ratio(per_verify, step),
@@ -578,6 +597,15 @@ def figures(records: Sequence[RunRecord]) -> dict[str, Any]:
         "peak_rss_bytes": max(rss) if rss else None,
         "cuda_peak_bytes": max(cuda) if cuda else None,
     }
+
+
+def _served_length(served: list[dict[str, Any]]) -> float | None:
+    """Tokens per verify step of a server's replies, over those that say their drafts."""
+    with_steps = [x for x in served if x.get("drafts")]
+    if not with_steps:
+        return None
+    steps = sum(int(x["drafts"]) for x in with_steps)
+    return (sum(int(x["accepted"] or 0) for x in with_steps) + steps) / steps
 
 
 def split_label(label: str) -> tuple[str, str]:
@@ -609,6 +637,7 @@ def summarize(result: BenchResult) -> None:
             for a, rs in by_arm.items()
         }
         tokens = {a: {r.block: r.tokens for r in rs if r.ok} for a, rs in by_arm.items()}
+        texts = {a: {r.block: r.text for r in rs if r.ok} for a, rs in by_arm.items()}
         out: dict[str, dict[str, Any]] = {}
         for a, rs in by_arm.items():
             mode, config = split[a]
@@ -624,7 +653,9 @@ def summarize(result: BenchResult) -> None:
                 if ref is not None:
                     f[f"speedup_vs_{name}"] = spread(paired_ratios(tps[a], tps[ref]))
             if plain is not None and a != plain:
-                same = [tokens[a][b] == tokens[plain][b] for b in tokens[a] if b in tokens[plain]]
+                # a served engine's ids are mostly unknown (its API sends text): its text
+                by = texts if mode == SERVER_ARM else tokens
+                same = [by[a][b] == by[plain][b] for b in by[a] if b in by[plain]]
                 f["same_tokens_as_plain"] = {"equal": sum(same), "compared": len(same)}
             out[a] = f
         return out

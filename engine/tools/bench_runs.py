@@ -37,6 +37,9 @@ HF_GENERATE = "hf-generate"
 HF_ASSISTED = "hf-assisted"
 BASELINES = (HF_GENERATE, HF_ASSISTED)
 SESSION_ARMS = (*(m.value for m in LOCAL_MODES), SPEC_ALONE)
+# A served engine's arm (`bench --server URL`): the same prompts through the server, which
+# decodes as it was started to; it runs beside the local arms in the same interleaving.
+SERVER_ARM = "server"
 ROLES = ("system", "user", "assistant")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTS = ("auto", *(q.value for q in QuantMode))
@@ -305,6 +308,9 @@ class RunRecord:
     cuda_peak_bytes: int | None = None
     error: str | None = None
     config: str = ""  # label of the model configuration the arm ran on
+    # a served engine's figures for the reply (the server arm): drafts (verify steps),
+    # draft tokens, accepted tokens, and "reply" or "server-wide"
+    server: dict[str, Any] | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -442,6 +448,53 @@ def run_session_arm(
         if stats.mode is not mode:
             rec.status = "unavailable"
             rec.error = "; ".join(rec.notices) or f"the session ran {stats.mode.value}"
+    elif rec.ok:
+        rec.status, rec.error = "failed", "the reply did not finish"
+    return rec
+
+
+def run_server_arm(
+    remote: Any,
+    prompt: BenchPrompt,
+    cfg: DecodeConfig,
+    rec: RunRecord,
+    telemetry: Telemetry | None = None,
+) -> RunRecord:
+    """Send `prompt` (its earlier turns too) to a served engine (`RemoteSession`) and
+    fill `rec`: a chunk of its stream is one emission; its figures are the server's."""
+    remote.system_prompt = prompt.system
+    remote.reset(prompt.history)
+    emits: list[tuple[float, int]] = []
+    stats = None
+    t0 = time.perf_counter()
+    for ev in remote.stream(prompt.prompt, cfg):
+        if telemetry is not None:
+            telemetry.observe(ev, model=remote.ready.target.name, mode=rec.arm)
+        if isinstance(ev, TokenEvent):
+            rec.tokens.append(ev.token_id)
+            emits.append((ev.t, 1))
+        elif isinstance(ev, TurnFinished):
+            stats = ev.stats
+        elif isinstance(ev, Failed):
+            rec.status, rec.error = "failed", f"{ev.message} ({ev.hint})" if ev.hint else ev.message
+    merged: list[tuple[float, int]] = []
+    for t, n in emits:  # the tokens of one chunk share its arrival time
+        if merged and merged[-1][0] == t:
+            merged[-1] = (t, merged[-1][1] + n)
+        else:
+            merged.append((t, n))
+    rec.chunks = [n for _, n in merged]
+    rec.ttft_s, rec.latencies_ms = _chunk_latencies(t0, merged)
+    rec.seconds = (merged[-1][0] if merged else time.perf_counter()) - t0
+    if stats is not None:
+        rec.mode_ran = stats.mode.value
+        rec.text = stats.text
+        rec.stop_reason = stats.stop_reason
+        server = stats.server
+        if server is not None:
+            rec.server = {"drafts": server.drafts, "draft_tokens": server.draft_tokens,
+                          "accepted": server.accepted, "scope": server.scope,
+                          "source": server.source, "speculative": server.speculative}  # fmt: skip
     elif rec.ok:
         rec.status, rec.error = "failed", "the reply did not finish"
     return rec

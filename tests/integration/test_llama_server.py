@@ -371,3 +371,36 @@ def test_the_chat_exports_the_server_s_figures_with_metrics_port(spec_server: ll
             assert (snap.draft_tokens, snap.accepted) == (server.draft_tokens, server.accepted)
 
     asyncio.run(run())
+
+
+def test_bench_puts_the_server_in_the_same_interleaved_table(spec_server: llamacpp.Server) -> None:
+    """`specchat bench --server URL`: the server arm runs between the local arms (a tiny
+    local pair here: the interleaving and the figures are under test, not its speed)."""
+    from specchat.engine.decode.session import ChatSession
+    from specchat.engine.tools.bench import BenchPrompt, run_bench
+    from specchat.engine.weights.loading import layer_truncated
+    from tests.tinymodels import loaded, tiny_llama
+
+    target = tiny_llama(seed=0, layers=4)
+    local = ChatSession(loaded(target), loaded(layer_truncated(target, 2), "draft"))  # type: ignore[arg-type]
+    remote = RemoteSession.connect(spec_server.url)
+    prompts = [BenchPrompt("p0", "code", "Write a Python function that adds two numbers."),
+               BenchPrompt("p1", "chat", "Name three colours.", history=(("user", "Hi."), ("assistant", "Hello!")))]  # fmt: skip
+    result = run_bench(local, prompts, arms=("plain",), baselines=False, max_new_tokens=24,
+                       warmup=False, remote=remote)  # fmt: skip
+    assert result.arms == ["plain", "server"]
+    served = [r for r in result.records if r.arm == "server"]
+    assert [r.prompt_id for r in served] == ["p0", "p1"] and all(r.ok for r in served)
+    assert [r.arm for r in result.records] == ["plain", "server", "server", "plain"]  # rotated
+    for r in served:
+        assert r.server is not None and r.server["source"] == "timings" and r.server["draft_tokens"]
+        assert r.text and 0 < r.n_tokens <= 24 and r.ttft_s is not None
+    s = result.summary["server"]
+    drafted = sum(r.server["draft_tokens"] for r in served)  # type: ignore[index]
+    accepted = sum(r.server["accepted"] for r in served)  # type: ignore[index]
+    assert s["acceptance_rate"] == pytest.approx(accepted / drafted)
+    assert s["mean_accepted_length"] > 1 and s["tokens_per_target_pass"] is None
+    assert s["same_tokens_as_plain"]["compared"] == 2  # by text: the tiny model's text differs
+    assert result.config["server"] == remote.ready.summary
+    # the server's conversation was the prompt's: earlier turns, then the prompt
+    assert remote.messages[:3] == (("user", "Hi."), ("assistant", "Hello!"), ("user", "Name three colours."))

@@ -43,6 +43,7 @@ def add_parser(sub: Any) -> None:
         f"{SPEC_ALONE}: spec with the draft model alone, without lookup first",
     )
     add_run_args(p)
+    common.add_server_args(p)
     p.add_argument(
         "--configs",
         default=None,
@@ -274,6 +275,14 @@ def run(args: argparse.Namespace) -> int:
     except EngineError as exc:
         return error(exc.message, exc.hint)
 
+    remote = None
+    if getattr(args, "server", None):
+        try:
+            remote = common.connect_server(args)
+        except EngineError as exc:
+            return error(exc.message, exc.hint)
+        err.print(f"[dim]server arm: {remote.ready.summary}[/dim]")
+
     telemetry = server = None
     if args.metrics_port is not None:
         from specchat.engine.tools.telemetry import Telemetry
@@ -290,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         result = run_with_progress(
-            session, prompts, modes, cfg, args, err, telemetry, baseline_config, reference
+            session, prompts, modes, cfg, args, err, telemetry, baseline_config, reference, remote
         )
     finally:
         if server is not None:
@@ -319,6 +328,7 @@ def run_with_progress(
     telemetry: Any,
     baseline_config: str | None = None,
     reference: str | None = None,
+    remote: Any = None,
 ) -> Any:
     from rich.progress import (
         BarColumn,
@@ -363,6 +373,7 @@ def run_with_progress(
             warmup=not args.no_warmup,
             progress=progress,
             telemetry=telemetry,
+            remote=remote,
         )
 
 
@@ -457,6 +468,8 @@ def print_result(data: dict[str, Any], console: Any) -> None:
         f"repeats, max_new_tokens {dec['max_new_tokens']}, temperature {dec['temperature']}, "
         f"seed {cfg['seed']}"
     )
+    if cfg.get("server"):
+        console.print(f"server arm: {cfg['server']}; its =plain compares text (the server sends no ids)")
     if several:
         print_configs(configs, console)
     summary = data["summary"]
