@@ -370,7 +370,7 @@ def run_bench(
     rotate: bool = True,
     progress: Callable[[BenchProgress], None] | None = None,
     telemetry: Telemetry | None = None,
-    remote: Any | None = None,
+    remote: Any | Sequence[Any] | None = None,
 ) -> BenchResult:
     """Benchmark `arms` (session modes) and, with `baselines`, transformers' generate.
 
@@ -382,8 +382,10 @@ def run_bench(
     `config` gives the decoding settings (its mode is replaced per arm);
     `max_new_tokens` overrides its length. Seeds: run (repeat r, prompt i)
     uses seed + 1000 r + i in every arm, so sampled runs are paired too.
-    `remote` (a `RemoteSession`) adds the `server` arm: the same prompts through a
-    served engine, interleaved with the local arms.
+    `remote` (a `RemoteSession`, or several) adds a `server` arm each (`server1`,
+    `server2`, ... for several): the same prompts through a served engine,
+    interleaved with the local arms; two servers of one model, one with its draft
+    and one without, give the server's own plain-vs-speculative ratio.
     """
     configs = (
         list(session)
@@ -408,8 +410,12 @@ def run_bench(
     elif baseline_config not in by_config:
         raise ValueError(f"baseline config {baseline_config!r} is not one of {labels}")
     plan = make_arms(labels, [a for a in modes if a in SESSION_ARMS], base, baseline_config)
-    if remote is not None:
-        plan.append(Arm(SERVER_ARM, labels[0], SERVER_ARM))
+    remotes = [] if remote is None else list(remote) if isinstance(remote, Sequence) else [remote]
+    served: dict[str, Any] = {}
+    for n, r in enumerate(remotes, 1):
+        label = SERVER_ARM if len(remotes) == 1 else f"{SERVER_ARM}{n}"
+        served[label] = r
+        plan.append(Arm(SERVER_ARM, labels[0], label))
     if not plan:
         raise ValueError("no arms to run")
     arm_of = {a.label: a for a in plan}
@@ -435,7 +441,7 @@ def run_bench(
         fresh_conversation(ses, p, original_system[arm.config])
         run_cfg = run_cfg.with_(seed=s)
         if arm.mode == SERVER_ARM:
-            return run_server_arm(remote, p, run_cfg, rec, telemetry)
+            return run_server_arm(served[arm.label], p, run_cfg, rec, telemetry)
         if arm.baseline:
             return run_hf_arm(ses, p, arm.mode, run_cfg, rec, memory[arm.config], s, telemetry)
         return run_session_arm(ses, p, arm.mode, run_cfg, rec, memory[arm.config], telemetry)
@@ -514,8 +520,8 @@ def run_bench(
             "cache_policy": "every run starts a fresh conversation with empty KV caches "
             "(whole prompt prefilled, no prefix reuse), for every arm"
             + (" (the server arm: a fresh conversation; the server's own prefix cache may "
-               "reuse an earlier run's prompt)" if remote is not None else ""),
-            "server": remote.ready.summary if remote is not None else None,
+               "reuse an earlier run's prompt)" if served else ""),
+            "server": {label: r.ready.summary for label, r in served.items()} or None,
             "latency_definition": "gap between an emission and the previous one / tokens it "
             "carried; the first emission is time to first token",
         },
@@ -629,6 +635,7 @@ def summarize(result: BenchResult) -> None:
     plain_of = {c: a for a, (m, c) in split.items() if m == "plain"}
     hf_gen = next((a for a in result.arms if split[a][0] == HF_GENERATE), None)
     kinds = sorted({r.kind for r in result.records})
+    served_arms = set(result.config.get("server") or ())
 
     def table(records: list[RunRecord]) -> dict[str, dict[str, Any]]:
         by_arm = {a: [r for r in records if r.arm == a] for a in result.arms}
@@ -654,7 +661,7 @@ def summarize(result: BenchResult) -> None:
                     f[f"speedup_vs_{name}"] = spread(paired_ratios(tps[a], tps[ref]))
             if plain is not None and a != plain:
                 # a served engine's ids are mostly unknown (its API sends text): its text
-                by = texts if mode == SERVER_ARM else tokens
+                by = texts if a in served_arms else tokens
                 same = [by[a][b] == by[plain][b] for b in by[a] if b in by[plain]]
                 f["same_tokens_as_plain"] = {"equal": sum(same), "compared": len(same)}
             out[a] = f

@@ -71,6 +71,7 @@ class TrainOptions:
     reply_tokens: int = 128
     max_steps: int | None = None  # tests: stop after this many optimizer steps
     max_texts: int = 4000  # standard-library answers at most
+    collect: bool = True  # False: train on what an earlier run collected (work/data.pt) only
     seed: int = 0
     eval_every_s: float = 120.0
     prompts: tuple[str, ...] = PROMPTS
@@ -415,6 +416,11 @@ def collect(
     goes on where this one stopped."""
     data_path = work / "data.pt"
     seqs, state = _load_data(data_path)
+    if not opts.collect:
+        if not seqs:
+            raise ValueError(f"no data collected before in {work}: run without --no-collect first")
+        tell(f"training on the {len(seqs)} sequences collected before (--no-collect)")
+        return seqs
     if seqs:
         tell(f"resuming with {len(seqs)} sequences collected before")
     train_prompts, held_prompts = split(opts.prompts)

@@ -741,3 +741,30 @@ def test_chi_square_pools_rare_categories() -> None:
 def test_total_variation_bounds() -> None:
     assert total_variation(Counter("aab"), Counter("aab")) == 0.0
     assert total_variation(Counter("aa"), Counter("bb")) == 1.0
+
+
+def test_a_server_arm_is_compared_with_plain_by_its_text() -> None:
+    """A served engine sends text, not ids (-1): its =plain counts equal texts; its
+    acceptance and accepted length are the server's own counts."""
+    def rec(arm: str, block: int, text: str, tokens: list[int], server: dict | None = None) -> RunRecord:
+        return RunRecord(arm, f"p{block}", "code", 0, block, 0, tokens=tokens, text=text, seconds=1.0,
+                         chunks=[len(tokens)], server=server)  # fmt: skip
+
+    served = {"drafts": 2, "draft_tokens": 8, "accepted": 6, "scope": "reply", "source": "timings"}
+    records = [
+        rec("plain", 0, "abc", [1, 2, 3]),
+        rec("server2", 0, "abc", [-1, -1, -1], served),
+        rec("plain", 1, "xyz", [4, 5, 6]),
+        rec("server2", 1, "xy!", [-1, -1, -1], served),
+    ]
+    result = BenchResult(
+        config={"server": {"server2": "llama.cpp server at …"}}, environment={}, models={},
+        arms=["plain", "server2"], load_start={}, load_end={}, records=records, warmup=[],
+        unavailable={}, seconds=1.0, reference="plain",
+    )  # fmt: skip
+    summarize(result)
+    s = result.summary["server2"]
+    assert s["same_tokens_as_plain"] == {"equal": 1, "compared": 2}
+    assert s["acceptance_rate"] == pytest.approx(12 / 16)
+    assert s["mean_accepted_length"] == pytest.approx((12 + 4) / 4)
+    assert s["tokens_per_target_pass"] is None

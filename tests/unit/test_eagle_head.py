@@ -304,3 +304,10 @@ def test_ctrl_c_while_collecting_keeps_what_was_collected(target, tmp_path: Path
     said: list[str] = []
     more = collect(tgt, opts, tmp_path, budget, lambda _e: None, said.append, lambda: False)
     assert len(more) > len(seqs) and any("resuming" in s for s in said)
+    # --no-collect: the data as it is, nothing asked of the target
+    frozen = collect(tgt, TrainOptions(**{**vars(opts), "collect": False}), tmp_path, budget,
+                     lambda _e: None, said.append, lambda: False)  # fmt: skip
+    assert len(frozen) == len(more) and any("--no-collect" in s for s in said)
+    with pytest.raises(ValueError, match="no data collected before"):
+        collect(tgt, TrainOptions(**{**vars(opts), "collect": False}), tmp_path / "empty", budget,
+                lambda _e: None, said.append, lambda: False)  # fmt: skip

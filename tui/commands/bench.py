@@ -29,7 +29,8 @@ def add_parser(sub: Any) -> None:
         help="benchmark decoding modes against transformers' generate",
         description="Benchmark decoding modes over a JSONL prompt file: tokens/s, speedup, "
         "time to first token, per-token latency, acceptance, early exit and memory, next to "
-        "transformers' own model.generate (plain and assisted) on the same models.",
+        "transformers' own model.generate (plain and assisted) on the same models. "
+        "--server URL[,URL...] adds a served engine per URL as one more arm of the same run.",
     )
     p.add_argument(
         "--prompts",
@@ -275,13 +276,15 @@ def run(args: argparse.Namespace) -> int:
     except EngineError as exc:
         return error(exc.message, exc.hint)
 
-    remote = None
-    if getattr(args, "server", None):
+    remote = []
+    for url in (u.strip() for u in (getattr(args, "server", None) or "").split(",")):
+        if not url:
+            continue
         try:
-            remote = common.connect_server(args)
+            remote.append(common.connect_server(argparse.Namespace(**{**vars(args), "server": url})))
         except EngineError as exc:
             return error(exc.message, exc.hint)
-        err.print(f"[dim]server arm: {remote.ready.summary}[/dim]")
+        err.print(f"[dim]server arm: {remote[-1].ready.summary}[/dim]")
 
     telemetry = server = None
     if args.metrics_port is not None:
@@ -468,8 +471,8 @@ def print_result(data: dict[str, Any], console: Any) -> None:
         f"repeats, max_new_tokens {dec['max_new_tokens']}, temperature {dec['temperature']}, "
         f"seed {cfg['seed']}"
     )
-    if cfg.get("server"):
-        console.print(f"server arm: {cfg['server']}; its =plain compares text (the server sends no ids)")
+    for label, summary in (cfg.get("server") or {}).items():
+        console.print(f"{label} arm: {summary}; its =plain compares text (a server sends no ids)")
     if several:
         print_configs(configs, console)
     summary = data["summary"]

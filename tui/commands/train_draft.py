@@ -44,6 +44,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--reply-tokens", type=int, default=128, help="tokens of each target reply (default 128)"
     )
+    p.add_argument(
+        "--no-collect",
+        dest="collect",
+        action="store_false",
+        help="train on the data an earlier run collected, collecting no more: the whole "
+        "budget goes to training (a run that trains on for longer)",
+    )
     p.add_argument("--out", type=Path, default=None, help="head folder (default: in the cache)")
     p.add_argument("--seed", type=int, default=0)
     common.add_model_args(p)
@@ -93,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
                 intermediate=args.intermediate,
                 lr=args.lr,
                 reply_tokens=args.reply_tokens,
+                collect=args.collect,
                 seed=args.seed,
                 out=args.out,
                 weights=weights,
