@@ -423,10 +423,9 @@ class RemoteSession:
             """Scrape at the panel rate; close the stream the moment Esc is pressed."""
             next_scrape = time.monotonic() + self.scrape_interval
             while not done.wait(0.05):
-                if cancel.is_set():
-                    if stream is not None:
-                        with contextlib.suppress(Exception):  # the reading side reports the close
-                            stream.close()
+                if cancel.is_set() and stream is not None:  # before the stream: its first chunk stops
+                    with contextlib.suppress(Exception):  # the reading side reports the close
+                        stream.close()
                     return
                 if self.endpoint is not None and time.monotonic() >= next_scrape:
                     snap = self.endpoint.snapshot()
@@ -493,6 +492,10 @@ class RemoteSession:
         text = "".join(pieces)
         if text or continuing:
             self._keep(base_text + text, continuing)
+        elif failure is not None:
+            self._messages.pop()  # nothing came: the chat puts the prompt back in the input
+        else:
+            self._keep("", continuing)  # cancelled before the first token: the turns still alternate
         if self.endpoint is not None:
             snap = self.endpoint.snapshot()
             if snap is not None:

@@ -334,6 +334,11 @@ def test_a_stream_cut_by_the_server_dying_keeps_the_partial_reply(ggufs: tuple[P
         assert "came before are kept" in end.message, end.message
         role, text = session.messages[-1]
         assert role == "assistant" and text
+        # the server is gone: the next prompt fails before any token and leaves no dangling turn
+        kept = session.messages
+        again = drain(session.stream("Are you there?", DecodeConfig(max_new_tokens=8)))
+        assert isinstance(again[-1], Failed) and "Cannot reach the server" in again[-1].message
+        assert session.messages == kept
 
 
 def test_the_chat_exports_the_server_s_figures_with_metrics_port(spec_server: llamacpp.Server) -> None:

@@ -8,6 +8,17 @@ from rich.text import Text
 from .base import Panel, bar, histogram, key_values, pct
 
 
+def _position_bars(title: str, rates: list[float | None]) -> list[object]:
+    """A titled bar per draft position (none without rates)."""
+    if not rates:
+        return []
+    lines = Text()
+    for i, rate in enumerate(rates, 1):
+        lines.append(f"{i:>3} {bar(rate)} {pct(rate):>5}\n")
+    lines.rstrip()
+    return [Text(title, style="bold"), lines]
+
+
 class AcceptancePanel(Panel):
     TITLE = "Acceptance"
     KEY = "acceptance"
@@ -33,14 +44,7 @@ class AcceptancePanel(Panel):
         fb = m.last_fallback
         rows.append(("fallback", "none" if fb is None else f"round {fb[0]}: {fb[1]}"))
         parts: list[object] = [key_values(rows)]
-        by_pos = m.acceptance_by_position()
-        if by_pos:
-            parts.append(Text("by draft position", style="bold"))
-            lines = Text()
-            for i, rate_i in enumerate(by_pos, 1):
-                lines.append(f"{i:>3} {bar(rate_i)} {pct(rate_i):>5}\n")
-            lines.rstrip()
-            parts.append(lines)
+        parts += _position_bars("by draft position", m.acceptance_by_position())
         hist = m.accepted_length_histogram()
         if hist:
             parts.append(Text("accepted per round", style="bold"))
@@ -68,12 +72,5 @@ class AcceptancePanel(Panel):
             rows.append(("session", f"{pct(m.server_accepted / m.server_drafted, 1)} "
                                     f"({m.server_accepted}/{m.server_drafted})"))  # fmt: skip
         parts: list[object] = [key_values(rows)]
-        by_pos = s.by_position()
-        if by_pos:
-            parts.append(Text("accepted at position, of all drafts", style="bold"))
-            lines = Text()
-            for i, rate_i in enumerate(by_pos, 1):
-                lines.append(f"{i:>3} {bar(rate_i)} {pct(rate_i):>5}\n")
-            lines.rstrip()
-            parts.append(lines)
+        parts += _position_bars("accepted at position, of all drafts", list(s.by_position()))
         return Group(*parts)  # type: ignore[arg-type]
