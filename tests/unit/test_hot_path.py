@@ -121,9 +121,13 @@ def test_a_sampled_round_processes_each_draft_row_once(
 
 
 def reference_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Top-p by sorting the whole row (the definition)."""
-    sorted_x, order = torch.sort(logits, dim=-1, descending=True)
-    sorted_p = torch.softmax(sorted_x, dim=-1)
+    """Top-p by sorting the whole row (the definition).
+
+    The row's probabilities are sorted, not its logits: a softmax summed in
+    another order rounds differently in the last bit, and on a flat row that
+    moves the cut by a token on some CPUs (AVX2's reduction order, not AVX-512's).
+    """
+    sorted_p, order = torch.sort(torch.softmax(logits, dim=-1), dim=-1, descending=True)
     drop_sorted = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= top_p
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return torch.softmax(logits.masked_fill(drop, float("-inf")), dim=-1)
