@@ -50,12 +50,12 @@ class PromptFileError(EngineError):
 
 
 class ConfigSpecError(EngineError):
-    """A --configs entry is not TARGETQUANT[/DRAFTQUANT][:DTYPE], or names no config of the run."""
+    """A --configs entry is not TARGETQUANT[/DRAFTQUANT[+vN]][:DTYPE], or names no config of the run."""
 
 
 # -- model configurations and arms ---------------------------------------------------
 
-CONFIG_SYNTAX = "TARGETQUANT[/DRAFTQUANT][:DTYPE]"
+CONFIG_SYNTAX = "TARGETQUANT[/DRAFTQUANT[+vN]][:DTYPE]"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,30 +64,32 @@ class ConfigSpec:
 
     `label` is the text as given (lower case, no spaces); it names the config in
     arm labels (`spec@int8/int4`). Two specs are the same configuration when
-    their quantizations and dtype are equal, whatever their text.
+    their quantizations, draft vocabulary and dtype are equal, whatever their text.
     """
 
     label: str
     target_quant: str  # a QuantMode value or "auto"
     draft_quant: str  # defaults to the target's
     dtype: str  # one of DTYPES
+    draft_vocab: int | None = None  # +vN: the draft's shortlist head; None: --draft-vocab
 
     @property
-    def key(self) -> tuple[str, str, str]:
-        return (self.target_quant, self.draft_quant, self.dtype)
+    def key(self) -> tuple[str, str, str, int | None]:
+        return (self.target_quant, self.draft_quant, self.dtype, self.draft_vocab)
 
 
 def _config_error(text: str, what: str) -> ConfigSpecError:
     return ConfigSpecError(
         f"bad config {text!r}: {what}",
-        hint=f"a config is {CONFIG_SYNTAX}, e.g. int8/int4:float32; "
+        hint=f"a config is {CONFIG_SYNTAX}, e.g. int8/int4:float32 or w4a8/w4a8+v65536; "
         f"quantizations: {', '.join(QUANTS)}; dtypes: {', '.join(DTYPES)}",
     )
 
 
 def parse_config_spec(text: str, dtype: str = "auto") -> ConfigSpec:
-    """`TARGETQUANT[/DRAFTQUANT][:DTYPE]`; the draft quantization defaults to the
-    target's and the dtype to `dtype` (the --dtype flag)."""
+    """`TARGETQUANT[/DRAFTQUANT[+vN]][:DTYPE]`; the draft quantization defaults to the
+    target's and the dtype to `dtype` (the --dtype flag); `+vN` gives the draft a
+    shortlist head over N ids (as --draft-vocab N does for every config)."""
     label = text.strip().lower()
     if not label:
         raise _config_error(text, "it is empty")
@@ -97,6 +99,16 @@ def parse_config_spec(text: str, dtype: str = "auto") -> ConfigSpec:
             raise _config_error(text, f"unknown dtype {dt!r}")
     else:
         dt = dtype
+    quants, plus, vocab_text = quants.partition("+")
+    vocab = None
+    if plus:
+        if "/" not in quants:
+            raise _config_error(text, "+vN belongs to the draft: TARGETQUANT/DRAFTQUANT+vN")
+        if not (vocab_text.startswith("v") and vocab_text[1:].isdigit()):
+            raise _config_error(text, f"the draft vocabulary {vocab_text!r} is not vN")
+        vocab = int(vocab_text[1:])
+        if vocab < 1:
+            raise _config_error(text, "the draft vocabulary must be at least 1")
     parts = quants.split("/")
     if len(parts) > 2:
         raise _config_error(text, "more than one '/' (target and draft only)")
@@ -107,13 +119,13 @@ def parse_config_spec(text: str, dtype: str = "auto") -> ConfigSpec:
             raise _config_error(text, f"unknown {role} quantization {part!r}")
     target = parts[0]
     draft = parts[1] if len(parts) == 2 else target
-    return ConfigSpec(label, target, draft, dt)
+    return ConfigSpec(label, target, draft, dt, vocab)
 
 
 def parse_config_specs(text: str, dtype: str = "auto") -> list[ConfigSpec]:
     """A comma-separated list of configs; the same configuration twice is an error."""
     specs = [parse_config_spec(t, dtype) for t in text.split(",")]
-    seen: dict[tuple[str, str, str], str] = {}
+    seen: dict[tuple[str, str, str, int | None], str] = {}
     for s in specs:
         if s.key in seen:
             raise ConfigSpecError(

@@ -374,6 +374,10 @@ def test_parse_config_spec() -> None:
         ("int8:", "unknown dtype ''"),
         ("int8:float8", "unknown dtype 'float8'"),
         ("int8:bfloat16:x", "unknown dtype 'bfloat16:x'"),
+        ("int8+v100", "+vN belongs to the draft"),
+        ("int8/int4+100", "'100' is not vN"),
+        ("int8/int4+vx", "'vx' is not vN"),
+        ("int8/int4+v0", "at least 1"),
     ],
 )
 def test_a_bad_config_spec_says_what_is_wrong(text: str, needle: str) -> None:
@@ -381,7 +385,16 @@ def test_a_bad_config_spec_says_what_is_wrong(text: str, needle: str) -> None:
         parse_config_specs(f"none,{text}")
     assert f"bad config {text!r}" in exc.value.message
     assert needle in exc.value.message
-    assert "TARGETQUANT[/DRAFTQUANT][:DTYPE]" in exc.value.hint
+    assert "TARGETQUANT[/DRAFTQUANT[+vN]][:DTYPE]" in exc.value.hint
+
+
+def test_a_draft_vocabulary_makes_a_config_of_its_own() -> None:
+    full, short = parse_config_specs("w4a8,w4a8/w4a8+v65536:float32")
+    assert (full.draft_vocab, short.draft_vocab) == (None, 65536)
+    assert (short.target_quant, short.draft_quant, short.dtype) == ("w4a8", "w4a8", "float32")
+    assert find_config([full, short], "w4a8/w4a8+v65536:float32") is short
+    with pytest.raises(ConfigSpecError, match="same configuration"):
+        parse_config_specs("w4a8/w4a8+v100,w4a8/w4a8+v100")
 
 
 def test_the_same_config_twice_and_an_unknown_one_are_errors() -> None:

@@ -49,8 +49,9 @@ def add_parser(sub: Any) -> None:
         "--configs",
         default=None,
         metavar="SPEC[,SPEC...]",
-        help="model configurations to compare in one run, each TARGETQUANT[/DRAFTQUANT][:DTYPE] "
-        "(draft quant: the target's; dtype: --dtype), e.g. none:bfloat16,int8/int4,w8a8; "
+        help="model configurations to compare in one run, each "
+        "TARGETQUANT[/DRAFTQUANT[+vN]][:DTYPE] (draft quant: the target's; +vN: the draft's "
+        "head over N ids; dtype: --dtype), e.g. none:bfloat16,int8/int4,w8a8,w4a8/w4a8+v65536; "
         "every mode runs on every config, labelled mode@config "
         "(default: one config from --target-quant/--draft-quant/--dtype)",
     )
@@ -168,6 +169,7 @@ def config_args(args: argparse.Namespace, spec: Any) -> argparse.Namespace:
             "target_quant": spec.target_quant,
             "draft_quant": spec.draft_quant,
             "dtype": spec.dtype,
+            "draft_vocab": spec.draft_vocab if spec.draft_vocab is not None else args.draft_vocab,
         }
     )
 
