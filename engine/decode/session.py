@@ -500,9 +500,7 @@ class ChatSession:
             else:
                 self.head_drafter.detach()
         t0 = time.perf_counter()
-        self.target_runner.prefill(ids)
-        if isinstance(drafter, ModelDrafter):
-            drafter.runner.prefill(ids)
+        self.target_runner.prefill(ids)  # the draft's waits for its first round (see _round)
         prefill_ms = (time.perf_counter() - t0) * 1e3
         self.turn += 1
         self.tokens = list(ids)
@@ -548,6 +546,14 @@ class ChatSession:
         # controller of its own (its drafts cost nothing and run long); the draft
         # model's rounds by the turn's controller.
         ctl, drafter = turn.controller, turn.drafter
+        if turn.speculative and turn.tally.rounds == 0:
+            # The first token comes from the target alone, so a speculative reply starts
+            # when a plain one would: the draft's prefill and drafting would come first
+            # otherwise (~1.5 target steps on a CPU). The draft catches up on the prompt
+            # before the next round, untimed like any catch-up.
+            first = plain_step(self.target_runner, seq, cfg, turn.generator)
+            turn.tally.round(first, None)
+            return first, Mode.PLAIN, None
         if turn.composed is not None:
             drafter = turn.composed.model
             if turn.copier is not None and turn.copier.mode is Mode.SPEC and turn.composed.copies(seq):

@@ -14,6 +14,7 @@ from specchat.engine.events import (
     Cancelled,
     Failed,
     Notice,
+    Provenance,
     RoundEvent,
     TokenEvent,
     TurnFinished,
@@ -48,6 +49,21 @@ def test_event_order_of_a_turn(target: torch.nn.Module) -> None:
     stats = finished(events).stats
     assert stats.tokens == 12 and stats.rounds == current - 1
     assert stats.text == "".join(e.text for e in events if isinstance(e, TokenEvent))
+
+
+def test_a_speculative_reply_starts_as_a_plain_one(target: torch.nn.Module) -> None:
+    """The first token comes from the target alone, before the draft has read the prompt;
+    the draft catches up before the second round, which speculates."""
+    session = make(target)
+    assert session.drafter is not None
+    draft = session.drafter.runner  # type: ignore[attr-defined]
+    events = session.stream("Once upon a time", DecodeConfig(mode=Mode.SPEC, k=3, max_new_tokens=12))
+    first = next(e for e in events if isinstance(e, TokenEvent))
+    assert first.provenance is Provenance.TARGET and first.round == 1
+    assert draft.cached == 0  # the draft's prefill has not run yet
+    rest = list(events)
+    assert draft.cached > 0
+    assert any(isinstance(e, TokenEvent) and e.provenance is not Provenance.TARGET for e in rest)
 
 
 def test_multi_turn_reuse_equals_full_prefill(target: torch.nn.Module) -> None:
