@@ -11,6 +11,10 @@ plain stretch. The controller is the engine's own (`engine/decode/controller.py`
     python scripts/accept_trace.py record --prompts ../shared/prompts/dev_prompts.jsonl \\
         --out trace.json --max-new-tokens 128
     python scripts/accept_trace.py replay trace.json --c 0.4,0.5 --verify 1.22,1.39,1.6,1.95
+
+The trace also keeps where the target's token ranks among the draft's guesses
+and whether a shortlist head would still guess it, so draft trees (--trees,
+--full-trees) and shortlists (--match N) are priced the same way.
 """
 
 from __future__ import annotations
@@ -19,16 +23,23 @@ import argparse
 import json
 import statistics
 import time
+from math import prod
 from pathlib import Path
+
+import torch
 
 from specchat.engine.config import DecodeConfig, Mode, ModelSpec, QuantMode
 from specchat.engine.decode.controller import Controller
 from specchat.engine.decode.costs import Costs
 
+RANK_CAP = 7  # ranks beyond this are stored as 7
+SHORTLISTS = (8192, 16384, 32768, 65536)
+
 
 def record(args: argparse.Namespace) -> None:
     from specchat.engine.decode.session import ChatSession
     from specchat.engine.events import TurnStarted
+    from specchat.engine.model.draft_head import shortlist_ids
     from specchat.engine.model.runner import ModelRunner
 
     q = QuantMode(args.quant)
@@ -46,6 +57,9 @@ def record(args: argparse.Namespace) -> None:
             runner.feed(list(range(200, 200 + n)))
             times.append((time.perf_counter() - t) * 1e3)
         feed_ms[n] = statistics.median(times)
+    tok = session.tokenizer
+    specials = [int(i) for i in getattr(tok, "all_special_ids", [])]
+    specials += [int(i) for i in getattr(tok, "added_tokens_decoder", {})]
     prompts = []
     for line in Path(args.prompts).read_text().splitlines():
         p = json.loads(line)
@@ -55,10 +69,37 @@ def record(args: argparse.Namespace) -> None:
         n_prompt = next(e.prompt_tokens for e in events if isinstance(e, TurnStarted))
         ids = list(session.tokens)
         runner.reset()
-        guess = runner.feed(ids, keep=len(ids)).argmax(-1).tolist()  # guess[i]: token i+1
-        match = [int(guess[i - 1] == ids[i]) for i in range(n_prompt, len(ids))]
-        prompts.append({"id": p["id"], "prompt_tokens": n_prompt, "ids": ids, "match": match})
-        print(f"{p['id']}: {len(match)} tokens, draft argmax = target on {sum(match)}")
+        logits = runner.feed(ids, keep=len(ids))[n_prompt - 1 : -1].float()  # row i: token i+1
+        want = torch.tensor(ids[n_prompt:])
+        match = (logits.argmax(-1) == want).int().tolist()
+        # Where the target's token ranks among the draft's guesses (0: its argmax),
+        # what a tree with siblings at each depth would cover.
+        scored = logits.gather(1, want[:, None])
+        rank = (logits > scored).sum(-1).clamp(max=RANK_CAP).tolist()
+        # Whether a shortlist head (the first N ids + specials) would still guess it.
+        vocab = logits.shape[-1]
+        short = {}
+        for n in SHORTLISTS:
+            keep = shortlist_ids(vocab, n, specials)
+            masked = torch.full_like(logits, float("-inf"))
+            masked[:, keep] = logits[:, keep]
+            short[str(n)] = (masked.argmax(-1) == want).int().tolist()
+        prompts.append(
+            {
+                "id": p["id"],
+                "prompt_tokens": n_prompt,
+                "ids": ids,
+                "match": match,
+                "rank": rank,
+                "shortlist_match": short,
+            }
+        )
+        top2 = sum(r <= 1 for r in rank)
+        print(
+            f"{p['id']}: {len(match)} tokens, draft argmax = target on {sum(match)}, "
+            f"in its top 2 on {top2}; shortlists "
+            + " ".join(f"{n}: {sum(m)}" for n, m in short.items())
+        )
     costs = session.costs
     out = {
         "target": args.target,
@@ -118,6 +159,55 @@ def replay_one(
     return len(match) / cost, fallbacks
 
 
+def replay_tree(rank: list[int], k: int, siblings: int, width: int, c: float, v: float) -> float:
+    """Speedup of fixed-shape trees: a chain of k draft tokens, and at each of the first
+    `siblings` depths width-1 more of the draft's next guesses from the same logits
+    (no extra draft pass). A round verifies 1 + k + siblings*(width-1) rows in one pass,
+    priced v; a sibling that holds the target's token is accepted with the bonus after it.
+    """
+    t, cost = 0, 0.0
+    while t < len(rank):
+        kk = min(k, len(rank) - t - 1)
+        if kk < 1:
+            cost, t = cost + 1, t + 1
+            continue
+        j = 0
+        while j < kk and rank[t + j] == 0:
+            j += 1
+        hit = j < kk and j < siblings and rank[t + j] < width
+        cost += kk * c + v + (0.2 * c if j == kk or hit else 0.0)  # two tokens pending
+        t += j + 1 + int(hit)
+    return len(rank) / cost
+
+
+def replay_full_tree(
+    rank: list[int], widths: list[int], c: float, v: dict[int, float], vd: dict[int, float]
+) -> float:
+    """Speedup of a full static tree: every node at depth d has widths[d] children (the
+    draft's top guesses), the draft runs one batched pass per depth over that depth's
+    nodes (priced c·vd(rows)), the target verifies all nodes in one pass (v(nodes)).
+    Under greedy decoding the accepted path is the target's own tokens, so the trace's
+    teacher-forced ranks decide it: depth d holds the target's token if it ranks below
+    widths[d] there.
+    """
+    level, nodes, draft = 1, 0, 0.0
+    for w in widths:
+        draft += c * vd.get(level, max(vd.values()))  # this depth's pass: `level` rows
+        level *= w
+        nodes += level
+    t, cost = 0, 0.0
+    while t < len(rank):
+        if len(rank) - t - 1 < len(widths):
+            cost, t = cost + 1, t + 1
+            continue
+        j = 0
+        while j < len(widths) and rank[t + j] < widths[j]:
+            j += 1
+        cost += draft + v[nodes] + (0.2 * c if j == len(widths) else 0.0)  # two pending
+        t += j + 1
+    return len(rank) / cost
+
+
 def replay(args: argparse.Namespace) -> None:
     trace = json.loads(Path(args.trace).read_text())
     verify = {k + 1: float(v) for k, v in enumerate(args.verify.split(","))}
@@ -126,15 +216,48 @@ def replay(args: argparse.Namespace) -> None:
     policies: list[tuple[str, int | None]] = [(f"K={k}", k) for k in sorted(verify)]
     policies.append(("adaptive", None))
     ids = [p["id"] for p in trace["prompts"]]
-    print(f"trace {args.trace}: {len(ids)} replies; v(K) = {verify}")
+    key = args.match
+    matches = [p["match"] if key == "full" else p["shortlist_match"][key] for p in trace["prompts"]]
+    rate = sum(map(sum, matches)) / sum(map(len, matches))
+    print(f"trace {args.trace}: {len(ids)} replies; draft head {key}: argmax = target on {rate:.3f}")
+    print(f"v(K) = {verify}")
     for c in (float(x) for x in args.c.split(",")):
         print(f"\nc = {c}: speedup over plain (median, then per reply: {' '.join(ids)})")
         for name, k in policies:
-            runs = [replay_one(p["match"], k, c, verify, feed) for p in trace["prompts"]]
+            runs = [replay_one(m, k, c, verify, feed) for m in matches]
             speedups = [s for s, _ in runs]
             per = " ".join(f"{s:.2f}" for s in speedups)
             fb = sum(f for _, f in runs)
             print(f"  {name:9s} {statistics.median(speedups):.3f}  [{per}]  fallbacks {fb}")
+        vd = {k + 1: float(x) for k, x in enumerate(args.draft_verify.split(","))}
+        for shape in filter(None, args.full_trees.split(",")):
+            widths = [int(w) for w in shape.split("-")]
+            rows = sum(prod(widths[: d + 1]) for d in range(len(widths)))
+            if rows not in verify:
+                print(f"  full tree {shape}: no v for {rows} rows")
+                continue
+            speedups = [replay_full_tree(p["rank"], widths, c, verify, vd) for p in trace["prompts"]]
+            per = " ".join(f"{s:.2f}" for s in speedups)
+            print(f"  full {shape:9s} {statistics.median(speedups):.3f}  [{per}]  ({rows + 1} rows)")
+        for shape in filter(None, args.trees.split(",")):
+            k, sib, width = (int(x) for x in shape.split(":"))
+            rows = 1 + k + sib * (width - 1)
+            if rows - 1 not in verify:
+                print(f"  tree {shape}: no v for {rows} rows")
+                continue
+            speedups = [
+                replay_tree(p["rank"], k, sib, width, c, verify[rows - 1]) for p in trace["prompts"]
+            ]
+            per = " ".join(f"{s:.2f}" for s in speedups)
+            name = f"tree {shape}"
+            print(f"  {name:9s} {statistics.median(speedups):.3f}  [{per}]  ({rows} rows)")
+    if "rank" in trace["prompts"][0]:
+        ranks = [r for p in trace["prompts"] for r in p["rank"]]
+        misses = [r for r in ranks if r > 0]
+        cover = ", ".join(
+            f"top {w}: {sum(r < w for r in misses) / max(1, len(misses)):.2f}" for w in (2, 3, 4)
+        )
+        print(f"\nwhere the draft's argmax misses ({len(misses)} of {len(ranks)}): {cover}")
 
 
 def main() -> None:
@@ -154,6 +277,22 @@ def main() -> None:
     rep.add_argument("--c", default="0.4", help="draft/target step cost ratios to try")
     rep.add_argument(
         "--verify", default="1.22,1.39,1.6,1.95", help="v(K) for K = 1, 2, ... in target steps"
+    )
+    rep.add_argument(
+        "--match", default="full", help="'full', or a shortlist size the trace recorded"
+    )
+    rep.add_argument(
+        "--trees", default="", help="fixed tree shapes K:S:W (chain K, width W at depths 1..S)"
+    )
+    rep.add_argument(
+        "--full-trees",
+        default="",
+        help="full static trees w1-w2-...: every node at depth d has w_d children",
+    )
+    rep.add_argument(
+        "--draft-verify",
+        default="1.0,1.44,1.45,1.94",
+        help="the draft's cost of a pass over 1, 2, ... rows, in draft steps (full trees)",
     )
     args = ap.parse_args()
     record(args) if args.cmd == "record" else replay(args)
