@@ -190,20 +190,25 @@ def replay_full_tree(
     teacher-forced ranks decide it: depth d holds the target's token if it ranks below
     widths[d] there.
     """
-    level, nodes, draft = 1, 0, 0.0
-    for w in widths:
-        draft += c * vd.get(level, max(vd.values()))  # this depth's pass: `level` rows
-        level *= w
-        nodes += level
+    def shape(depth: int) -> tuple[float, int]:  # (draft cost, nodes) of the first `depth` levels
+        level, nodes, draft = 1, 0, 0.0
+        for w in widths[:depth]:
+            draft += c * vd.get(level, max(vd.values()))  # this depth's pass: `level` rows
+            level *= w
+            nodes += level
+        return draft, nodes
+
     t, cost = 0, 0.0
     while t < len(rank):
-        if len(rank) - t - 1 < len(widths):
+        depth = min(len(widths), len(rank) - t - 1)  # near the end the tree is cut, as a chain's K
+        if depth < 1:
             cost, t = cost + 1, t + 1
             continue
+        draft, nodes = shape(depth)
         j = 0
-        while j < len(widths) and rank[t + j] < widths[j]:
+        while j < depth and rank[t + j] < widths[j]:
             j += 1
-        cost += draft + v[nodes] + (0.2 * c if j == len(widths) else 0.0)  # two pending
+        cost += draft + v[nodes] + (0.2 * c if j == depth else 0.0)  # two tokens pending
         t += j + 1
     return len(rank) / cost
 
