@@ -160,11 +160,12 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 # Each trace must show the provenance kinds its mode produces (greedy, so fixed): the
-# draft is the target itself, so spec accepts every draft (no correction); lookup needs
-# a prompt that repeats itself and 32 tokens before its copies are accepted and refused.
+# draft is the target itself, so spec accepts every draft (no correction) after the
+# first token, which the target decodes alone; lookup needs a prompt that repeats
+# itself and 32 tokens before its copies are accepted and refused.
 TRACES = {
     "plain": ("Once upon a time", 16, {"target"}),
-    "spec": ("Once upon a time", 16, {"accepted", "bonus"}),
+    "spec": ("Once upon a time", 16, {"accepted", "bonus", "target"}),
     "lookup": (
         "Tom and Lily went to the park. Tom and Lily",
         32,
@@ -199,6 +200,7 @@ def test_generate_command_json_trace(mode: str) -> None:
     tokens = [e for e in events if e["type"] == "TokenEvent"]
     assert len(tokens) == n
     assert {t["provenance"] for t in tokens} == want
+    assert tokens[0]["provenance"] == "target"  # every mode's first token: the target's
     assert "Loading weights" not in out.stderr
 
 

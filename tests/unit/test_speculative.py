@@ -90,8 +90,11 @@ def test_provenance_and_probabilities(target: torch.nn.Module) -> None:
     _, events = reply(session(target), "Once upon a time", mode=Mode.SPEC, k=3, max_new_tokens=40)
     tokens = [e for e in events if isinstance(e, TokenEvent)]
     kinds = {t.provenance for t in tokens}
-    # Greedy and seeded: this reply has all three kinds (13 accepted, 26 corrected, 1 bonus).
-    assert kinds == {Provenance.ACCEPTED, Provenance.CORRECTED, Provenance.BONUS}
+    # Greedy and seeded: the first token is the target's alone, then all three kinds of
+    # a round.
+    assert tokens[0].provenance is Provenance.TARGET
+    assert kinds == {Provenance.ACCEPTED, Provenance.CORRECTED, Provenance.BONUS, Provenance.TARGET}
+    assert sum(t.provenance is Provenance.TARGET for t in tokens) == 1
     for t in tokens:
         assert t.p_target is not None and 0.0 < t.p_target <= 1.0
         if t.provenance is Provenance.CORRECTED:
