@@ -110,10 +110,20 @@ class ReplyFilter(Generic[T]):
             window = self.text[start:] + self._held_text
             hit = find_stop(window, self.stops)
             if hit >= 0:  # never inside released text: a stop's prefix is held back
+                if self._could_start_before(window, hit):
+                    return []  # a longer stop may begin earlier: the next text decides
                 return self._cut(start + hit - len(self.text))
             if held_back(window, self.stops):
                 return []
         return self.release()
+
+    def _could_start_before(self, window: str, hit: int) -> bool:
+        """Whether window's tail from some j < hit still begins an unfinished stop string."""
+        return any(
+            len(window) - j < len(s) and s.startswith(window[j:])
+            for j in range(hit)
+            for s in self.stops
+        )
 
     def release(self) -> list[T]:
         """Everything held, now."""
@@ -124,7 +134,14 @@ class ReplyFilter(Generic[T]):
 
     def finish(self) -> list[T]:
         """The end of the reply: release what is held (nothing after a stop string)."""
-        return [] if self.stopped else self.release()
+        if self.stopped:
+            return []
+        if self.stops:  # a stop found while a longer one might still have begun earlier
+            start = max(0, len(self.text) - self._reach)
+            hit = find_stop(self.text[start:] + self._held_text, self.stops)
+            if hit >= 0:
+                return self._cut(start + hit - len(self.text))
+        return self.release()
 
     def _cut(self, keep: int) -> list[T]:
         out: list[T] = []

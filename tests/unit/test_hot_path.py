@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from specchat.engine.config import DecodeConfig
@@ -153,6 +153,7 @@ class Piece:
     text: str
 
 
+@example(pieces=["ba", "\n"], stops=["a", "ba\n"])  # the shorter stop is found first
 @settings(max_examples=200, deadline=None)
 @given(
     pieces=st.lists(st.text(alphabet="ab\n", min_size=0, max_size=3), max_size=40),
