@@ -106,8 +106,7 @@ class ReplyFilter(Generic[T]):
         self.held.append(item)
         self._held_text += item.text
         if self.stops:
-            start = max(0, len(self.text) - self._reach)
-            window = self.text[start:] + self._held_text
+            start, window = self._window()
             hit = find_stop(window, self.stops)
             if hit >= 0:  # never inside released text: a stop's prefix is held back
                 if self._could_start_before(window, hit):
@@ -116,6 +115,12 @@ class ReplyFilter(Generic[T]):
             if held_back(window, self.stops):
                 return []
         return self.release()
+
+    def _window(self) -> tuple[int, str]:
+        """Where the searched text starts in the reply, and the text: the held text and
+        the released text a stop string could reach back into."""
+        start = max(0, len(self.text) - self._reach)
+        return start, self.text[start:] + self._held_text
 
     def _could_start_before(self, window: str, hit: int) -> bool:
         """Whether window's tail from some j < hit still begins an unfinished stop string."""
@@ -137,8 +142,8 @@ class ReplyFilter(Generic[T]):
         if self.stopped:
             return []
         if self.stops:  # a stop found while a longer one might still have begun earlier
-            start = max(0, len(self.text) - self._reach)
-            hit = find_stop(self.text[start:] + self._held_text, self.stops)
+            start, window = self._window()
+            hit = find_stop(window, self.stops)
             if hit >= 0:
                 return self._cut(start + hit - len(self.text))
         return self.release()
