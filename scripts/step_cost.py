@@ -23,6 +23,8 @@ from collections import defaultdict
 import torch
 
 from specchat.engine.config import ModelSpec, QuantMode
+from specchat.engine.model import cpu
+from specchat.engine.model import native as kernels
 from specchat.engine.model.runner import ModelRunner
 from specchat.engine.weights.loading import load_model
 
@@ -70,7 +72,15 @@ def main() -> None:
         help="on, off or on,off: decode through the native decoder (engine/model/decoder.py) "
         "or transformers' modules; 'off' rows are labelled '<mode>/py'",
     )
+    ap.add_argument(
+        "--w4a8-paths",
+        default="",
+        help="avx2,avx512vnni: measure each w4a8 model on each of the kernel's paths, switched "
+        "between measurements of the same loaded model (rows labelled '<mode>@<path>'); "
+        "default: the path this CPU chose",
+    )
     args = ap.parse_args()
+    paths = [p for p in args.w4a8_paths.split(",") if p] or [None]
     blocks = [int(b) for b in args.blocks.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
     runners = {}
@@ -100,11 +110,16 @@ def main() -> None:
     )
     for r in range(args.rounds):
         for (model, mode), runner in runners.items():
-            for th in threads:
-                torch.set_num_threads(th)
-                for key, value in measure(runner, args.tokens, blocks).items():
-                    results[(model, mode, th)][key].append(value)
+            for path in paths if mode.startswith("w4a8") else [None]:
+                if path:
+                    kernels.w4a8_use(path)
+                label = f"{mode}@{path}" if path else mode
+                for th in threads:
+                    torch.set_num_threads(th)
+                    for key, value in measure(runner, args.tokens, blocks).items():
+                        results[(model, label, th)][key].append(value)
         print(f"round {r + 1}/{args.rounds} done", flush=True)
+    print(f"\nCPU: {cpu.features().summary()}; {kernels.w4a8_describe() or 'no w4a8 kernel loaded'}")
     cols = ["step"] + [f"verify {n}" for n in blocks]
     print(
         "\n| model | mode | threads | step ms | tok/s | "
@@ -125,7 +140,7 @@ def main() -> None:
             row = ", ".join(
                 f"draft {mode_d}: {med[(m2, mode_d, th)]['step'] / med[(target, mode_t, th)]['step']:.2f}"
                 for (m2, mode_d, th2) in med
-                if m2 != target and th2 == th
+                if m2 != target and th2 == th and mode_d.partition("@")[2] == mode_t.partition("@")[2]
             )
             print(f"  target {mode_t}, {th} threads: {row}")
 

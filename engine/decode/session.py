@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import DecodeConfig, Mode, ModelSpec
+from ..config import DecodeConfig, Mode, ModelSpec, QuantMode
 from ..errors import ContextOverflowError, EngineError
 from ..events import (
     Cancelled,
@@ -31,6 +31,7 @@ from ..events import (
     TurnFinished,
     TurnStarted,
 )
+from ..model import native
 from ..model.eagle import EagleHead
 from ..model.runner import ModelRunner
 from ..weights.loading import LoadedModel, check_tokenizers_match, load_model, set_threads
@@ -184,6 +185,10 @@ class ChatSession:
         notes = list(self._notes)
         runner = self.target_runner
         notes.append(f"greedy exactness: {runner.exactness.reason}")
+        if QuantMode.W4A8.value in (t.quant, self.draft.info.quant if self.draft else None):
+            kernel = native.w4a8_describe()  # which instruction set runs it, and why
+            if kernel:
+                notes.append(kernel)
         if runner.native is None and self.target.device.type == "cpu":
             notes.append(f"decoding through transformers' modules, not natively: {runner.native_off}")
         if c is not None:

@@ -39,6 +39,10 @@ _FLAGS = {
     "decoder": ["-O2", "-DNDEBUG"],  # only calls ATen: any x86-64 or ARM CPU
 }
 _NEEDS_AVX2 = {"w4a8"}
+# The w4a8 kernel's paths, by the instruction sets each needs (the same bits from either).
+W4A8_PATHS = {"avx2": 0, "avx512vnni": 1}
+W4A8_ENV = "SPECCHAT_W4A8"  # auto (default), avx2 or avx512vnni
+_w4a8_path: dict[str, str] = {}  # "path" and "why", once the kernel is loaded
 _lock = threading.Lock()
 _built: dict[str, str] = {}  # kernel -> library path, once loaded in this process
 _failed: dict[str, QuantizationError] = {}  # kernel -> why its build failed in this process
@@ -59,6 +63,58 @@ def cpu_supports(kernel: str, have: cpu.CpuFeatures | None = None) -> str | None
         lacking = [f for f in ("avx2", "fma3", "f16c") if not have.has(f)]
         return f"the {kernel} kernel needs AVX2, FMA and F16C; this CPU lacks {', '.join(lacking)}"
     return None
+
+
+def w4a8_choice(requested: str = "auto", have: cpu.CpuFeatures | None = None) -> tuple[str, str]:
+    """The w4a8 path for this CPU (or one that has `have`) and why: AVX512-VNNI where the CPU
+    has it with AVX-512 F, BW and VL, else AVX2. Raises QuantizationError for a path the CPU
+    cannot run or a name that is none."""
+    have = have or cpu.features()
+    vnni = have.x86 and have.has("avx512_f", "avx512_bw", "avx512_vl", "avx512_vnni")
+    want = requested.strip().lower() or "auto"
+    if want == "auto":
+        if vnni:
+            return "avx512vnni", "this CPU has AVX512-VNNI"
+        return "avx2", "this CPU has no AVX512-VNNI"
+    if want not in W4A8_PATHS:
+        raise QuantizationError(
+            f"{W4A8_ENV}={requested!r} names no w4a8 path",
+            hint=f"use auto, {' or '.join(W4A8_PATHS)}",
+        )
+    if want == "avx512vnni" and not vnni:
+        raise QuantizationError(
+            f"{W4A8_ENV}=avx512vnni: this CPU has no AVX512-VNNI ({have.summary()})",
+            hint=f"unset {W4A8_ENV} (auto) or set it to avx2",
+        )
+    return want, f"{W4A8_ENV}={want}"
+
+
+def w4a8_use(requested: str = "auto") -> str:
+    """Load the w4a8 kernel and make every later call take `requested`'s path; returns it.
+    (Loading takes $SPECCHAT_W4A8's path, auto where unset; tests call this to compare.)"""
+    load("w4a8")
+    with _lock:
+        return _set_w4a8(requested)
+
+
+def _set_w4a8(requested: str) -> str:
+    path, why = w4a8_choice(requested)
+    torch.ops.specchat.w4a8_set_path(W4A8_PATHS[path])
+    _w4a8_path.update(path=path, why=why)
+    return path
+
+
+def w4a8_path() -> str | None:
+    """The w4a8 path calls take now ("avx2" or "avx512vnni"), None before the kernel loads."""
+    return _w4a8_path.get("path")
+
+
+def w4a8_describe() -> str | None:
+    """One line for Ready and reports: which path the w4a8 kernel runs and why."""
+    if "path" not in _w4a8_path:
+        return None
+    name = {"avx2": "AVX2", "avx512vnni": "AVX512-VNNI"}[_w4a8_path["path"]]
+    return f"w4a8 kernel: {name} path ({_w4a8_path['why']}; {W4A8_ENV}=avx2|avx512vnni|auto)"
 
 
 def unavailable(kernel: str) -> str | None:
@@ -166,4 +222,10 @@ def load(kernel: str) -> None:
             )
             _failed[kernel] = error
             raise error from exc
+        if kernel == "w4a8":  # its path, from this CPU or $SPECCHAT_W4A8 (w4a8_describe says)
+            try:
+                _set_w4a8(os.environ.get(W4A8_ENV, "auto"))
+            except QuantizationError as error:  # a path this CPU lacks, or no path's name
+                _failed[kernel] = error
+                raise
         _built[kernel] = str(library)

@@ -60,6 +60,7 @@ from ..config import DecodeConfig, Mode
 from ..errors import EngineError, OutOfMemoryError
 from ..events import to_dict
 from ..metrics import acceptance_by_position, percentile
+from ..model import cpu, native
 from .bench_runs import (
     BASELINES,
     HF_ASSISTED,
@@ -168,6 +169,15 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def cpu_name() -> str | None:
+    """The CPU's model name as Linux lists it ("AMD EPYC", "Intel(R) Xeon(R) ..."), None elsewhere."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return platform.processor() or None
+
+
 def environment(session: ChatSession) -> dict[str, Any]:
     dev = session.target.device
     env: dict[str, Any] = {
@@ -183,6 +193,9 @@ def environment(session: ChatSession) -> dict[str, Any]:
         "torch_interop_threads": torch.get_num_interop_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "device": str(dev),
+        "cpu": cpu_name(),
+        "cpu_features": cpu.features().summary(),
+        "w4a8_path": native.w4a8_path(),  # None where no w4a8 kernel is loaded
         "cuda": None,
     }
     if dev.type == "cuda":

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from specchat.engine.errors import QuantizationError
-from specchat.engine.model import native, qlinear, quant
+from specchat.engine.model import cpu, native, qlinear, quant
 
 pytestmark = pytest.mark.skipif(
     native.cpu_supports("w4a8") is not None, reason=str(native.cpu_supports("w4a8"))
@@ -50,7 +50,9 @@ def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # product that lands on a tie (x * inv = 80.5 against 80.50001) then rounds the
     # other way (seed 660, M=3 N=23 K=288 found it).
     inv = torch.where(
-        amax > 0, (torch.full_like(amax, 127.0).float() / amax.float()).double(), torch.zeros_like(amax)
+        amax > 0,
+        (torch.full_like(amax, 127.0).float() / amax.float()).double(),
+        torch.zeros_like(amax),
     )
     qa = torch.round((xb.float() * inv.float()).double())  # round half to even, as vroundps
     xa = (qa * d).reshape(x.shape[0], k)
@@ -65,14 +67,16 @@ def kernel(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @needs_kernel
 @settings(max_examples=40, deadline=None)
 @given(
-    m=st.integers(1, 9),
+    m=st.integers(1, 19),
     n=st.integers(1, 37),
     blocks=st.integers(1, 9),
     seed=st.integers(0, 2**16),
 )
 @example(m=3, n=23, blocks=9, seed=660)  # an activation on a rounding tie (see reference)
 def test_kernel_equals_the_reference_arithmetic(m: int, n: int, blocks: int, seed: int) -> None:
-    """Any rows M (1..9 covers the 4-, 3-, 2- and 1-row code paths), any N (padding to 8 rows)."""
+    """Any rows M (1..19 covers every rows-per-pass variant of either path: AVX2 takes 4, 3, 2
+    or 1 rows a pass, AVX512-VNNI 8 down to 1), any N (padding to 8 rows; an odd number of row
+    groups leaves the VNNI path's last group to the AVX2 code)."""
     gen = torch.Generator().manual_seed(seed)
     k = 32 * blocks
     weight = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)
@@ -122,7 +126,9 @@ def test_a_group_packed_member_by_member_equals_the_packed_stack() -> None:
         stack.weight.copy_(torch.cat([m.weight for m in members]))
     slow = qlinear.W4A8Linear(stack)
     for name in ("packed", "scales", "mins"):
-        assert torch.equal(getattr(fast, name).view(torch.uint8), getattr(slow, name).view(torch.uint8))
+        assert torch.equal(
+            getattr(fast, name).view(torch.uint8), getattr(slow, name).view(torch.uint8)
+        )
     # a member ending inside a group of 8 rows: no shortcut, the float stack is packed
     assert qlinear.W4A8Linear.stacked([nn.Linear(64, 20), nn.Linear(64, 16)]) is None
 
@@ -163,8 +169,12 @@ def test_in_features_not_a_multiple_of_32_is_refused_with_a_reason() -> None:
         from transformers import LlamaConfig
 
         config = LlamaConfig(
-            hidden_size=80, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=1, vocab_size=64,
+            hidden_size=80,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=64,
         )
         quant.check(quant.QuantMode.W4A8, config, torch.device("cpu"))
 
@@ -207,3 +217,117 @@ def test_loading_says_when_it_compiles_the_kernel(
     stages = [e.stage for e in events]
     assert stages.index("build") < stages.index("load")
     assert any(isinstance(m, qlinear.W4A8Linear) for m in loaded.model.modules())
+
+
+# --------------------------------------------------------------------------- the two paths
+
+VNNI_MISSING = native.w4a8_choice("auto")[0] != "avx512vnni"
+
+
+@pytest.fixture
+def path_restored() -> object:
+    """Puts back the path this machine chose, whatever the test set."""
+    yield
+    native.w4a8_use("auto")
+
+
+@needs_kernel
+@pytest.mark.skipif(VNNI_MISSING, reason=f"no AVX512-VNNI here ({cpu.features().summary()})")
+@settings(max_examples=60, deadline=None)
+@given(
+    m=st.integers(1, 19),
+    n=st.integers(1, 70),
+    blocks=st.integers(1, 12),
+    seed=st.integers(0, 2**16),
+)
+@example(m=5, n=24, blocks=48, seed=0)  # a verify block of 5 on 3 row groups (odd: one left over)
+@example(m=17, n=16, blocks=1, seed=1)  # two passes of 8 rows and one of 1
+def test_the_vnni_path_gives_the_avx2_paths_bits(m: int, n: int, blocks: int, seed: int) -> None:
+    """Same integer block sums, same float steps in the same order: the two paths agree bit for
+    bit, so a machine's choice changes no token (greedy identity and the packed cache hold)."""
+    gen = torch.Generator().manual_seed(seed)
+    k = 32 * blocks
+    weight = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)
+    x = torch.randn(m, k, generator=gen) * torch.logspace(-2, 2, m)[:, None]
+    x[0, :32] = 0.0
+    packed, scales, mins = qlinear.pack_w4a8(weight)
+    out = {}
+    try:
+        for path in ("avx2", "avx512vnni"):
+            assert native.w4a8_use(path) == path
+            out[path] = torch.ops.specchat.w4a8_linear(x, packed, scales, mins, n)
+            # and each row alone, as a decode step computes it
+            alone = [
+                torch.ops.specchat.w4a8_linear(x[i : i + 1], packed, scales, mins, n)
+                for i in range(m)
+            ]
+            assert torch.equal(torch.cat(alone), out[path]), (
+                f"{path}: a row depends on its neighbours"
+            )
+    finally:
+        native.w4a8_use("auto")
+    assert torch.equal(out["avx2"], out["avx512vnni"])
+
+
+def test_the_path_is_chosen_from_the_cpu_and_said() -> None:
+    """auto takes VNNI where the CPU has it with AVX-512 F, BW and VL; a forced path the CPU
+    lacks, or a name that is none, is refused with what to do."""
+    from specchat.engine.model.cpu import CpuFeatures
+
+    zen4 = CpuFeatures(
+        "x86_64",
+        frozenset({"avx2", "fma3", "f16c", "avx512_f", "avx512_bw", "avx512_vl", "avx512_vnni"}),
+        "test",
+    )
+    zen3 = CpuFeatures("x86_64", frozenset({"avx2", "fma3", "f16c"}), "test")
+    no_vl = CpuFeatures("x86_64", zen4.flags - {"avx512_vl"}, "test")
+    assert native.w4a8_choice("auto", zen4) == ("avx512vnni", "this CPU has AVX512-VNNI")
+    assert native.w4a8_choice("", zen3)[0] == "avx2"
+    assert native.w4a8_choice("auto", no_vl)[0] == "avx2"
+    assert native.w4a8_choice("AVX2", zen4) == ("avx2", "SPECCHAT_W4A8=avx2")
+    with pytest.raises(QuantizationError, match="no AVX512-VNNI") as info:
+        native.w4a8_choice("avx512vnni", zen3)
+    assert "avx2" in info.value.hint
+    with pytest.raises(QuantizationError, match="names no w4a8 path"):
+        native.w4a8_choice("amx", zen4)
+
+
+@needs_kernel
+def test_the_loaded_kernel_says_its_path(path_restored: object) -> None:
+    chosen = native.w4a8_choice("auto")[0]
+    assert native.w4a8_path() == chosen
+    line = native.w4a8_describe()
+    assert line is not None and ("AVX512-VNNI" if chosen == "avx512vnni" else "AVX2") in line
+    native.w4a8_use("avx2")
+    assert native.w4a8_path() == "avx2" and "AVX2 path (SPECCHAT_W4A8=avx2" in str(
+        native.w4a8_describe()
+    )
+
+
+@needs_kernel
+@pytest.mark.skipif(not VNNI_MISSING, reason="this CPU has AVX512-VNNI: the kernel takes the path")
+def test_the_kernel_refuses_vnni_on_a_cpu_without_it(path_restored: object) -> None:
+    """The kernel checks the CPU itself: a wrong choice is an error, not an illegal instruction."""
+    with pytest.raises(RuntimeError, match="no AVX512-VNNI"):
+        torch.ops.specchat.w4a8_set_path(1)
+    assert native.w4a8_path() == "avx2"
+
+
+@needs_kernel
+def test_a_bad_path_in_the_environment_is_refused_at_load() -> None:
+    """$SPECCHAT_W4A8 naming no path fails the kernel's load with the message, in a fresh process."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from specchat.engine.errors import QuantizationError\n"
+        "from specchat.engine.model import native\n"
+        "try:\n    native.load('w4a8')\nexcept QuantizationError as e:\n    print('refused:', e.message)\n"
+        "else:\n    print('loaded', native.w4a8_path())\n"
+    )
+    env = {**os.environ, "SPECCHAT_W4A8": "sse9"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert "refused: SPECCHAT_W4A8='sse9' names no w4a8 path" in out.stdout, out.stderr[-2000:]

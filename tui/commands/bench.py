@@ -283,7 +283,9 @@ def run(args: argparse.Namespace) -> int:
         if not url:
             continue
         try:
-            remote.append(common.connect_server(argparse.Namespace(**{**vars(args), "server": url})))
+            remote.append(
+                common.connect_server(argparse.Namespace(**{**vars(args), "server": url}))
+            )
         except EngineError as exc:
             return error(exc.message, exc.hint)
         err.print(f"[dim]server arm: {remote[-1].ready.summary}[/dim]")
@@ -469,7 +471,9 @@ def print_result(data: dict[str, Any], console: Any) -> None:
     console.print(
         f"[bold]{head}[/bold]\n"
         f"device {env['device']}, {env['torch_threads']} torch threads, torch {env['torch']}, "
-        f"transformers {env['transformers']}; {len(cfg['prompts'])} prompts x {cfg['repeats']} "
+        + (f"CPU {env['cpu']} ({env['cpu_features']}), " if env.get("cpu_features") else "")
+        + (f"w4a8 {env['w4a8_path']} path, " if env.get("w4a8_path") else "")
+        + f"transformers {env['transformers']}; {len(cfg['prompts'])} prompts x {cfg['repeats']} "
         f"repeats, max_new_tokens {dec['max_new_tokens']}, temperature {dec['temperature']}, "
         f"seed {cfg['seed']}"
     )

@@ -19,6 +19,14 @@
 // Each output row is computed from its own input row only, by the same instructions in
 // the same order whatever M is: a token's logits do not depend on its neighbours.
 //
+// On CPUs with AVX512-VNNI a second path (`group_pair_vnni`) runs the same layout: one
+// zmm holds the same load of two neighbouring row groups, and vpdpbusd multiplies and sums
+// 4 code-activation pairs into each row's int32 lane in one instruction where AVX2 needs
+// vpmaddubsw, an add and vpmaddwd; it takes up to 8 activation rows per pass over the
+// weights (AVX2: 4). The block sums are the same exact integers and the float steps after
+// them the same instructions in the same order, so both paths give the same bits; which
+// one runs is chosen at run time (w4a8_set_path, from engine/model/native.py).
+//
 // Registered as torch.ops.specchat.w4a8_linear; compiled on first use (engine/native.py).
 
 #include <ATen/core/Tensor.h>
@@ -131,6 +139,118 @@ void group_rows(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int64_
   }
 }
 
+#define SPECCHAT_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+// 0: AVX2 (every CPU the kernel runs on), 1: AVX512-VNNI. Set by w4a8_set_path.
+std::atomic<int> g_path{0};
+
+// 4 activation bytes, repeated for each of the 16 rows of two groups (vpdpbusd folds it
+// into an embedded broadcast).
+SPECCHAT_VNNI inline __m512i bcast4x16(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// The same load of two row groups side by side: group 0's 8 rows in lanes 0..7, group 1's
+// in lanes 8..15.
+SPECCHAT_VNNI inline __m512i load_pair(const uint8_t* w0, const uint8_t* w1) {
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w1));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+}
+
+SPECCHAT_VNNI inline __m512 scales_pair(const uint16_t* d0, const uint16_t* d1) {
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(d0));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(d1));
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1));
+}
+
+// MC activation rows against two groups of 8 weight rows (16 outputs), AVX512-VNNI.
+// The same blocks, integer sums and float steps as group_rows, lane for lane.
+template <int MC>
+SPECCHAT_VNNI void group_pair_vnni(const uint8_t* w0, const uint8_t* w1, const uint16_t* dw0,
+                                   const uint16_t* dw1, const uint16_t* mw0, const uint16_t* mw1,
+                                   int64_t nb, const int8_t* qa, const float* ds, const float* ss,
+                                   int64_t K, float* y, int64_t N, int64_t n0, int64_t n_valid) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[MC];
+  for (int m = 0; m < MC; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb0 = w0 + b * BLOCK_BYTES;
+    const uint8_t* wb1 = w1 + b * BLOCK_BYTES;
+    _mm_prefetch(reinterpret_cast<const char*>(wb0 + PREFETCH), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wb0 + PREFETCH + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wb1 + PREFETCH), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wb1 + PREFETCH + 64), _MM_HINT_T0);
+    __m512i s[MC];
+    for (int m = 0; m < MC; ++m) s[m] = _mm512_setzero_si512();
+    for (int i = 0; i < 4; ++i) {
+      const __m512i raw = load_pair(wb0 + 32 * i, wb1 + 32 * i);
+      const __m512i lo = _mm512_and_si512(raw, low4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+      for (int m = 0; m < MC; ++m) {
+        const int8_t* a = qa + m * K + b * QK + 4 * i;
+        s[m] = _mm512_dpbusd_epi32(s[m], lo, bcast4x16(a));
+        s[m] = _mm512_dpbusd_epi32(s[m], hi, bcast4x16(a + 16));
+      }
+    }
+    const __m512 dv = scales_pair(dw0 + b * 8, dw1 + b * 8);
+    const __m512 mv = scales_pair(mw0 + b * 8, mw1 + b * 8);
+    for (int m = 0; m < MC; ++m) {
+      const __m512 f = _mm512_cvtepi32_ps(s[m]);
+      acc[m] = _mm512_fmadd_ps(f, _mm512_mul_ps(dv, _mm512_set1_ps(ds[m * nb + b])), acc[m]);
+      acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(ss[m * nb + b]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MC; ++m) {
+    alignas(64) float out[2 * ROWS];
+    _mm512_store_ps(out, acc[m]);
+    for (int r = 0; r < 2 * ROWS && r < n_valid; ++r) y[m * N + n0 + r] = out[r];
+  }
+}
+
+// Every activation row against row groups g and g + 1, up to 8 rows a pass over them.
+SPECCHAT_VNNI void pair_all_rows(const uint8_t* W, const uint16_t* D, const uint16_t* MN,
+                                 int64_t g, int64_t nb, const int8_t* QA, const float* DS,
+                                 const float* SS, int64_t M, int64_t K, float* Y, int64_t N) {
+  const uint8_t* w0 = W + g * nb * BLOCK_BYTES;
+  const uint8_t* w1 = w0 + nb * BLOCK_BYTES;
+  const uint16_t* d0 = D + g * nb * 8;
+  const uint16_t* m0 = MN + g * nb * 8;
+  const int64_t n0 = g * ROWS, nv = std::min<int64_t>(2 * ROWS, N - n0);
+  auto rows = [&](auto mc, int64_t m) {
+    group_pair_vnni<decltype(mc)::value>(w0, w1, d0, d0 + nb * 8, m0, m0 + nb * 8, nb,
+                                         QA + m * K, DS + m * nb, SS + m * nb, K, Y + m * N, N,
+                                         n0, nv);
+  };
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) rows(std::integral_constant<int, 8>{}, m);
+  switch (M - m) {
+    case 7: rows(std::integral_constant<int, 7>{}, m); break;
+    case 6: rows(std::integral_constant<int, 6>{}, m); break;
+    case 5: rows(std::integral_constant<int, 5>{}, m); break;
+    case 4: rows(std::integral_constant<int, 4>{}, m); break;
+    case 3: rows(std::integral_constant<int, 3>{}, m); break;
+    case 2: rows(std::integral_constant<int, 2>{}, m); break;
+    case 1: rows(std::integral_constant<int, 1>{}, m); break;
+    default: break;
+  }
+}
+
+// Choose the path (0 AVX2, 1 AVX512-VNNI) for every later call; returns the one before.
+// Refuses VNNI on a CPU without it rather than fault on its first instruction.
+int64_t w4a8_set_path(int64_t path) {
+  TORCH_CHECK(path == 0 || path == 1, "w4a8 path: 0 (AVX2) or 1 (AVX512-VNNI)");
+  if (path == 1) {
+    __builtin_cpu_init();
+    TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"),
+                "this CPU has no AVX512-VNNI (with AVX512 F, BW and VL)");
+  }
+  return g_path.exchange(static_cast<int>(path));
+}
+
 // x [M, K] float32; packed [N/8, K/32, 128] uint8; scales, mins [N/8, K/32, 8] float16 -> [M, N]
 at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const at::Tensor& mins, int64_t N) {
@@ -162,12 +282,20 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   // Threads take chunks of ~32 KB of weights from a shared counter instead of a fixed
   // share each: on a machine where another process holds a core for a while, the thread
   // that keeps running does the rest instead of waiting at the end for the stalled one.
-  const int64_t chunk = std::max<int64_t>(1, 32768 / (nb * BLOCK_BYTES));
+  // The VNNI path takes row groups in pairs, so its chunks hold an even number of them.
+  const bool vnni = g_path.load(std::memory_order_relaxed) == 1;
+  int64_t chunk = std::max<int64_t>(1, 32768 / (nb * BLOCK_BYTES));
+  if (vnni) chunk += chunk % 2;
   const int64_t chunks = (groups + chunk - 1) / chunk;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(chunks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1))
     for (int64_t g = c * chunk, g1 = std::min(groups, g + chunk); g < g1; ++g) {
+      if (vnni && g + 1 < g1) {
+        pair_all_rows(W, D, MN, g, nb, QA, DS, SS, M, K, Y, N);
+        ++g;
+        continue;
+      }
       const uint8_t* w = W + g * nb * BLOCK_BYTES;
       const uint16_t* dw = D + g * nb * 8;
       const uint16_t* mw = MN + g * nb * 8;
@@ -244,4 +372,5 @@ TORCH_LIBRARY(specchat, m) {
   m.def("w4a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, int N) -> Tensor",
         &w4a8_linear);
   m.def("w4a8_pack(Tensor weight) -> (Tensor, Tensor, Tensor)", &w4a8_pack);
+  m.def("w4a8_set_path(int path) -> int", &w4a8_set_path);
 }
