@@ -23,6 +23,8 @@ other attention kinds) as they are.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,6 +35,13 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from ..config import MAX_K
 
 NAME = "specchat_rowwise_sdpa"
+# Up to this many keys a query row is scored on one thread. Its two matmuls are microseconds
+# of arithmetic, and at two threads each wakes a sleeping worker (OMP_WAIT_POLICY=PASSIVE):
+# 218 against 27 us a row at 70 keys, 332 against 184 at 1,024, even at 2,048, and two threads
+# win from 4,096 on (AMD EPYC Zen 4, torch 2.13; the same bits either way). Decided by the
+# row's own key count, so a verify block's row and the plain step at its position agree.
+# csrc/decoder.cpp's kOneThreadKeys is the same number.
+ONE_THREAD_KEYS = 2048
 MAX_ROWWISE = 32  # longer blocks are prompts, not verify blocks
 assert MAX_K + 1 <= MAX_ROWWISE, "every verify block must score row by row"
 
@@ -53,8 +62,23 @@ def rowwise_sdpa(
     rows = []
     for i in range(q_len):
         end = kv_len - (q_len - 1 - i)  # row i sees the keys up to its own position
-        rows.append(one(module, query[:, :, i : i + 1], key[:, :, :end], value[:, :, :end], kwargs))
+        with one_thread(end <= ONE_THREAD_KEYS):
+            rows.append(one(module, query[:, :, i : i + 1], key[:, :, :end], value[:, :, :end], kwargs))
     return (rows[0] if q_len == 1 else torch.cat(rows, dim=1)), None
+
+
+@contextlib.contextmanager
+def one_thread(on: bool = True) -> Iterator[None]:
+    """torch's ops run on one thread inside (when `on`); the thread count is put back after."""
+    before = torch.get_num_threads()
+    if not on or before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _plain_attention(module: torch.nn.Module, kwargs: dict[str, Any]) -> bool:

@@ -89,17 +89,21 @@ def w4a8_choice(requested: str = "auto", have: cpu.CpuFeatures | None = None) ->
     return want, f"{W4A8_ENV}={want}"
 
 
-def w4a8_use(requested: str = "auto") -> str:
+W4A8_VNNI_MIN_ROWS = 4  # fewer rows are bound by reads: the AVX2 code, same bits (w4a8.cpp)
+
+
+def w4a8_use(requested: str = "auto", vnni_min_rows: int = W4A8_VNNI_MIN_ROWS) -> str:
     """Load the w4a8 kernel and make every later call take `requested`'s path; returns it.
+    On the VNNI path calls of fewer than `vnni_min_rows` rows run the AVX2 code.
     (Loading takes $SPECCHAT_W4A8's path, auto where unset; tests call this to compare.)"""
     load("w4a8")
     with _lock:
-        return _set_w4a8(requested)
+        return _set_w4a8(requested, vnni_min_rows)
 
 
-def _set_w4a8(requested: str) -> str:
+def _set_w4a8(requested: str, vnni_min_rows: int = W4A8_VNNI_MIN_ROWS) -> str:
     path, why = w4a8_choice(requested)
-    torch.ops.specchat.w4a8_set_path(W4A8_PATHS[path])
+    torch.ops.specchat.w4a8_set_path(W4A8_PATHS[path], vnni_min_rows)
     _w4a8_path.update(path=path, why=why)
     return path
 
@@ -114,7 +118,8 @@ def w4a8_describe() -> str | None:
     if "path" not in _w4a8_path:
         return None
     name = {"avx2": "AVX2", "avx512vnni": "AVX512-VNNI"}[_w4a8_path["path"]]
-    return f"w4a8 kernel: {name} path ({_w4a8_path['why']}; {W4A8_ENV}=avx2|avx512vnni|auto)"
+    rows = f" for blocks of {W4A8_VNNI_MIN_ROWS}+ rows" if _w4a8_path["path"] == "avx512vnni" else ""
+    return f"w4a8 kernel: {name} path{rows} ({_w4a8_path['why']}; {W4A8_ENV}=avx2|avx512vnni|auto)"
 
 
 def unavailable(kernel: str) -> str | None:

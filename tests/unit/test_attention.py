@@ -103,3 +103,35 @@ def test_one_query_matmuls_agree_with_sdpa(kv_len: int) -> None:
     want, _ = sdpa_attention_forward(module, q, k, v, None, **kwargs)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert not attention._plain_attention(module, {**kwargs, "softcap": 30.0})
+
+
+def test_short_rows_score_on_one_thread_and_the_count_comes_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rows of up to ONE_THREAD_KEYS keys run their matmuls on one thread (waking a second
+    costs more than they do); the caller's thread count is back after, and the bits are those
+    of the threaded computation."""
+    seen: list[int] = []
+    real = attention._one_query
+
+    def spy(*args: object) -> torch.Tensor:
+        seen.append(torch.get_num_threads())
+        return real(*args)  # type: ignore[arg-type]
+
+    model = tiny_llama(seed=4, layers=2)
+    runner = ModelRunner(model, torch.device("cpu"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setattr(attention, "_one_query", spy)
+        runner.native = None  # transformers' modules, where rowwise_sdpa runs
+        one = runner.feed(list(range(5, 30)), keep=25)
+        assert seen and set(seen) == {1} and torch.get_num_threads() == 2
+        seen.clear()
+        monkeypatch.setattr(attention, "ONE_THREAD_KEYS", 0)  # every row on the caller's threads
+        runner.reset()
+        threaded = runner.feed(list(range(5, 30)), keep=25)
+        assert set(seen) == {2}
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, threaded)

@@ -254,7 +254,7 @@ def test_the_vnni_path_gives_the_avx2_paths_bits(m: int, n: int, blocks: int, se
     out = {}
     try:
         for path in ("avx2", "avx512vnni"):
-            assert native.w4a8_use(path) == path
+            assert native.w4a8_use(path, vnni_min_rows=1) == path  # VNNI code for every M
             out[path] = torch.ops.specchat.w4a8_linear(x, packed, scales, mins, n)
             # and each row alone, as a decode step computes it
             alone = [
@@ -309,7 +309,7 @@ def test_the_loaded_kernel_says_its_path(path_restored: object) -> None:
 def test_the_kernel_refuses_vnni_on_a_cpu_without_it(path_restored: object) -> None:
     """The kernel checks the CPU itself: a wrong choice is an error, not an illegal instruction."""
     with pytest.raises(RuntimeError, match="no AVX512-VNNI"):
-        torch.ops.specchat.w4a8_set_path(1)
+        torch.ops.specchat.w4a8_set_path(1, 4)
     assert native.w4a8_path() == "avx2"
 
 

@@ -30,6 +30,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/native/quantized/PackedParams.h>
+#include <optional>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -419,9 +420,33 @@ at::Tensor rotate_half(const at::Tensor& x) {
   return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
 }
 
-// One query row [1, H, 1, D] against T keys [1, Hkv, T, D]: engine/attention.py's _one_query.
+// Up to this many keys a query row is scored on one thread (engine/attention.py's
+// ONE_THREAD_KEYS, which says why).
+constexpr int64_t kOneThreadKeys = 2048;
+
+// Elementwise work of up to this many rows (verify blocks: engine/attention.py's
+// MAX_ROWWISE) runs on one thread: above 32,768 values ATen splits it over the threads, and
+// waking the second costs more than the SiLU and product of a few rows (1.5B target, 5 rows:
+// 5 ms of a 78 ms verify pass went to waking it; Zen 4, 2 threads, OMP_WAIT_POLICY=PASSIVE).
+constexpr int64_t kOneThreadRows = 32;
+
+// While alive, ATen ops run on one thread; the count before is put back after.
+struct OneThread {
+  const int before = at::get_num_threads();
+  OneThread() {
+    if (before > 1) at::set_num_threads(1);
+  }
+  ~OneThread() {
+    if (before > 1) at::set_num_threads(before);
+  }
+};
+
+// One query row [1, H, 1, D] against T keys [1, Hkv, T, D]: engine/attention.py's _one_query,
+// on one thread up to kOneThreadKeys keys, as there.
 at::Tensor one_query(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                      double scaling) {
+  std::optional<OneThread> one;
+  if (key.size(2) <= kOneThreadKeys) one.emplace();
   const int64_t h = query.size(1), d = query.size(3), h_kv = key.size(1);
   auto q = query.reshape({1, h_kv, h / h_kv, d});
   auto scores = at::matmul(q, key.transpose(-1, -2)) * scaling;
@@ -543,7 +568,12 @@ struct Decoder : torch::CustomClassHolder {
       x = rms_norm(h, l.norm2, l.eps2);
       parts.clear();
       for (const auto& p : l.gate_up) project(p, x, parts, rows);
-      auto act = silu(parts[0], rows != kBatched) * parts[1];
+      at::Tensor act;
+      {  // a verify block's m x intermediate values would wake a second thread (OneThread)
+        std::optional<OneThread> one;
+        if (m <= kOneThreadRows) one.emplace();
+        act = silu(parts[0], rows != kBatched) * parts[1];
+      }
       parts.clear();
       project(l.down, act, parts, rows);
       h = h + parts[0];

@@ -23,7 +23,7 @@
 // zmm holds the same load of two neighbouring row groups, and vpdpbusd multiplies and sums
 // 4 code-activation pairs into each row's int32 lane in one instruction where AVX2 needs
 // vpmaddubsw, an add and vpmaddwd; it takes up to 8 activation rows per pass over the
-// weights (AVX2: 4). The block sums are the same exact integers and the float steps after
+// weights (AVX2: 4), for calls of 4 rows or more (verify blocks, prefill). The block sums are the same exact integers and the float steps after
 // them the same instructions in the same order, so both paths give the same bits; which
 // one runs is chosen at run time (w4a8_set_path, from engine/model/native.py).
 //
@@ -141,8 +141,10 @@ void group_rows(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int64_
 
 #define SPECCHAT_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
-// 0: AVX2 (every CPU the kernel runs on), 1: AVX512-VNNI. Set by w4a8_set_path.
+// 0: AVX2 (every CPU the kernel runs on), 1: AVX512-VNNI for calls of at least
+// g_vnni_min_rows activation rows. Set by w4a8_set_path.
 std::atomic<int> g_path{0};
+std::atomic<int64_t> g_vnni_min_rows{4};
 
 // 4 activation bytes, repeated for each of the 16 rows of two groups (vpdpbusd folds it
 // into an embedded broadcast).
@@ -168,7 +170,7 @@ SPECCHAT_VNNI inline __m512 scales_pair(const uint16_t* d0, const uint16_t* d1) 
 
 // MC activation rows against two groups of 8 weight rows (16 outputs), AVX512-VNNI.
 // The same blocks, integer sums and float steps as group_rows, lane for lane.
-template <int MC>
+template <int MC, int CH = (MC <= 2 ? 4 : MC <= 4 ? 2 : 1)>
 SPECCHAT_VNNI void group_pair_vnni(const uint8_t* w0, const uint8_t* w1, const uint16_t* dw0,
                                    const uint16_t* dw1, const uint16_t* mw0, const uint16_t* mw1,
                                    int64_t nb, const int8_t* qa, const float* ds, const float* ss,
@@ -183,22 +185,30 @@ SPECCHAT_VNNI void group_pair_vnni(const uint8_t* w0, const uint8_t* w1, const u
     _mm_prefetch(reinterpret_cast<const char*>(wb0 + PREFETCH + 64), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(wb1 + PREFETCH), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(wb1 + PREFETCH + 64), _MM_HINT_T0);
-    __m512i s[MC];
-    for (int m = 0; m < MC; ++m) s[m] = _mm512_setzero_si512();
+    // CH independent sums a row (vpdpbusd's 4-5 cycle latency would bind a single chain
+    // of 8 when few rows share the pass), added at the block's end: exact integers, so the
+    // same block sum whatever CH is.
+    __m512i s[MC][CH];
+    for (int m = 0; m < MC; ++m)
+      for (int c = 0; c < CH; ++c) s[m][c] = _mm512_setzero_si512();
     for (int i = 0; i < 4; ++i) {
       const __m512i raw = load_pair(wb0 + 32 * i, wb1 + 32 * i);
       const __m512i lo = _mm512_and_si512(raw, low4);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
       for (int m = 0; m < MC; ++m) {
         const int8_t* a = qa + m * K + b * QK + 4 * i;
-        s[m] = _mm512_dpbusd_epi32(s[m], lo, bcast4x16(a));
-        s[m] = _mm512_dpbusd_epi32(s[m], hi, bcast4x16(a + 16));
+        __m512i& s_lo = s[m][(2 * i) % CH];
+        __m512i& s_hi = s[m][(2 * i + 1) % CH];
+        s_lo = _mm512_dpbusd_epi32(s_lo, lo, bcast4x16(a));
+        s_hi = _mm512_dpbusd_epi32(s_hi, hi, bcast4x16(a + 16));
       }
     }
     const __m512 dv = scales_pair(dw0 + b * 8, dw1 + b * 8);
     const __m512 mv = scales_pair(mw0 + b * 8, mw1 + b * 8);
     for (int m = 0; m < MC; ++m) {
-      const __m512 f = _mm512_cvtepi32_ps(s[m]);
+      __m512i sum = s[m][0];
+      for (int c = 1; c < CH; ++c) sum = _mm512_add_epi32(sum, s[m][c]);
+      const __m512 f = _mm512_cvtepi32_ps(sum);
       acc[m] = _mm512_fmadd_ps(f, _mm512_mul_ps(dv, _mm512_set1_ps(ds[m * nb + b])), acc[m]);
       acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(ss[m * nb + b]), acc[m]);
     }
@@ -238,10 +248,15 @@ SPECCHAT_VNNI void pair_all_rows(const uint8_t* W, const uint16_t* D, const uint
   }
 }
 
-// Choose the path (0 AVX2, 1 AVX512-VNNI) for every later call; returns the one before.
+// Choose the path (0 AVX2, 1 AVX512-VNNI from min_rows activation rows up) for every later
+// call; returns the one before. A single row is bound by reading the weights, and there the
+// two streams of a row-group pair read slower than one (Zen 4: 43 against 38 ms for the
+// 1.5B's layers), so fewer rows than min_rows take the AVX2 code: the same bits either way.
 // Refuses VNNI on a CPU without it rather than fault on its first instruction.
-int64_t w4a8_set_path(int64_t path) {
+int64_t w4a8_set_path(int64_t path, int64_t min_rows) {
   TORCH_CHECK(path == 0 || path == 1, "w4a8 path: 0 (AVX2) or 1 (AVX512-VNNI)");
+  TORCH_CHECK(min_rows >= 1, "w4a8 path: min_rows must be at least 1");
+  g_vnni_min_rows.store(min_rows);
   if (path == 1) {
     __builtin_cpu_init();
     TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -283,7 +298,7 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   // share each: on a machine where another process holds a core for a while, the thread
   // that keeps running does the rest instead of waiting at the end for the stalled one.
   // The VNNI path takes row groups in pairs, so its chunks hold an even number of them.
-  const bool vnni = g_path.load(std::memory_order_relaxed) == 1;
+  const bool vnni = g_path.load(std::memory_order_relaxed) == 1 && M >= g_vnni_min_rows.load();
   int64_t chunk = std::max<int64_t>(1, 32768 / (nb * BLOCK_BYTES));
   if (vnni) chunk += chunk % 2;
   const int64_t chunks = (groups + chunk - 1) / chunk;
@@ -372,5 +387,5 @@ TORCH_LIBRARY(specchat, m) {
   m.def("w4a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, int N) -> Tensor",
         &w4a8_linear);
   m.def("w4a8_pack(Tensor weight) -> (Tensor, Tensor, Tensor)", &w4a8_pack);
-  m.def("w4a8_set_path(int path) -> int", &w4a8_set_path);
+  m.def("w4a8_set_path(int path, int min_rows=4) -> int", &w4a8_set_path);
 }
