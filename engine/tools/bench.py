@@ -248,6 +248,14 @@ def _rss_bytes() -> int | None:
     return int(psutil.Process(os.getpid()).memory_info().rss)
 
 
+def use_w4a8_path(spec: ConfigSpec | None) -> None:
+    """The w4a8 kernel's path for a config's runs: its ~PATH, else this CPU's choice. Only
+    where a path is named or the kernel is loaded (a run without w4a8 builds nothing)."""
+    want = spec.w4a8_path if spec is not None else None
+    if want or native.w4a8_path() is not None:
+        native.w4a8_use(want or "auto")
+
+
 def load_configs(
     specs: Sequence[ConfigSpec], load: Callable[[ConfigSpec], ChatSession]
 ) -> list[BenchConfig]:
@@ -263,6 +271,7 @@ def load_configs(
         before = _rss_bytes()
         t0 = time.perf_counter()
         try:
+            use_w4a8_path(spec)  # the costs measured at load are that path's
             session = load(spec)
         except (EngineError, MemoryError, RuntimeError, OSError, ValueError) as exc:
             if isinstance(exc, EngineError):
@@ -449,8 +458,12 @@ def run_bench(
     t_begin = time.perf_counter()
     load_start = machine_load()
 
+    paths = any(c.spec is not None and c.spec.w4a8_path for c in configs)
+
     def one(arm: Arm, p: BenchPrompt, run_cfg: DecodeConfig, rec: RunRecord, s: int) -> RunRecord:
         ses = by_config[arm.config].session
+        if paths:  # configs that name the w4a8 kernel's path: each run on its own
+            use_w4a8_path(by_config[arm.config].spec)
         fresh_conversation(ses, p, original_system[arm.config])
         run_cfg = run_cfg.with_(seed=s)
         if arm.mode == SERVER_ARM:

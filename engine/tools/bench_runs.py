@@ -50,12 +50,13 @@ class PromptFileError(EngineError):
 
 
 class ConfigSpecError(EngineError):
-    """A --configs entry is not TARGETQUANT[/DRAFTQUANT[+vN]][:DTYPE], or names no config of the run."""
+    """A --configs entry is not CONFIG_SYNTAX, or names no config of the run."""
 
 
 # -- model configurations and arms ---------------------------------------------------
 
-CONFIG_SYNTAX = "TARGETQUANT[/DRAFTQUANT[+vN]][:DTYPE]"
+CONFIG_SYNTAX = "TARGETQUANT[/DRAFTQUANT[+vN]][:DTYPE][~W4A8PATH]"
+W4A8_PATHS = ("avx2", "avx512vnni")  # engine/model/native.py's, for ~PATH
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,28 +73,34 @@ class ConfigSpec:
     draft_quant: str  # defaults to the target's
     dtype: str  # one of DTYPES
     draft_vocab: int | None = None  # +vN: the draft's shortlist head; None: --draft-vocab
+    w4a8_path: str | None = None  # ~avx2 / ~avx512vnni: the w4a8 kernel's path for its runs
 
     @property
-    def key(self) -> tuple[str, str, str, int | None]:
-        return (self.target_quant, self.draft_quant, self.dtype, self.draft_vocab)
+    def key(self) -> tuple[str, str, str, int | None, str | None]:
+        return (self.target_quant, self.draft_quant, self.dtype, self.draft_vocab, self.w4a8_path)
 
 
 def _config_error(text: str, what: str) -> ConfigSpecError:
     return ConfigSpecError(
         f"bad config {text!r}: {what}",
-        hint=f"a config is {CONFIG_SYNTAX}, e.g. int8/int4:float32 or w4a8/w4a8+v65536; "
+        hint=f"a config is {CONFIG_SYNTAX}, e.g. int8/int4:float32, w4a8/w4a8+v65536 or w4a8~avx2; "
         f"quantizations: {', '.join(QUANTS)}; dtypes: {', '.join(DTYPES)}",
     )
 
 
 def parse_config_spec(text: str, dtype: str = "auto") -> ConfigSpec:
-    """`TARGETQUANT[/DRAFTQUANT[+vN]][:DTYPE]`; the draft quantization defaults to the
-    target's and the dtype to `dtype` (the --dtype flag); `+vN` gives the draft a
-    shortlist head over N ids (as --draft-vocab N does for every config)."""
+    """`TARGETQUANT[/DRAFTQUANT[+vN]][:DTYPE][~W4A8PATH]`; the draft quantization defaults to
+    the target's and the dtype to `dtype` (the --dtype flag); `+vN` gives the draft a
+    shortlist head over N ids (as --draft-vocab N does for every config); `~avx2` or
+    `~avx512vnni` runs the config's turns on that path of the w4a8 kernel (the same bits,
+    another speed), so both are priced in one interleaved run."""
     label = text.strip().lower()
     if not label:
         raise _config_error(text, "it is empty")
-    quants, sep, dt = label.partition(":")
+    rest, tilde, path = label.partition("~")
+    if tilde and path not in W4A8_PATHS:
+        raise _config_error(text, f"~{path} is no w4a8 path ({', '.join(W4A8_PATHS)})")
+    quants, sep, dt = rest.partition(":")
     if sep:
         if dt not in DTYPES:
             raise _config_error(text, f"unknown dtype {dt!r}")
@@ -119,13 +126,15 @@ def parse_config_spec(text: str, dtype: str = "auto") -> ConfigSpec:
             raise _config_error(text, f"unknown {role} quantization {part!r}")
     target = parts[0]
     draft = parts[1] if len(parts) == 2 else target
-    return ConfigSpec(label, target, draft, dt, vocab)
+    if tilde and not {"w4a8", "auto"} & {target, draft}:
+        raise _config_error(text, f"~{path} chooses the w4a8 kernel's path, and no model is w4a8")
+    return ConfigSpec(label, target, draft, dt, vocab, path or None)
 
 
 def parse_config_specs(text: str, dtype: str = "auto") -> list[ConfigSpec]:
     """A comma-separated list of configs; the same configuration twice is an error."""
     specs = [parse_config_spec(t, dtype) for t in text.split(",")]
-    seen: dict[tuple[str, str, str, int | None], str] = {}
+    seen: dict[tuple[str, str, str, int | None, str | None], str] = {}
     for s in specs:
         if s.key in seen:
             raise ConfigSpecError(

@@ -378,6 +378,8 @@ def test_parse_config_spec() -> None:
         ("int8/int4+100", "'100' is not vN"),
         ("int8/int4+vx", "'vx' is not vN"),
         ("int8/int4+v0", "at least 1"),
+        ("w4a8~sse", "~sse is no w4a8 path"),
+        ("int8/int4~avx2", "no model is w4a8"),
     ],
 )
 def test_a_bad_config_spec_says_what_is_wrong(text: str, needle: str) -> None:
@@ -385,7 +387,7 @@ def test_a_bad_config_spec_says_what_is_wrong(text: str, needle: str) -> None:
         parse_config_specs(f"none,{text}")
     assert f"bad config {text!r}" in exc.value.message
     assert needle in exc.value.message
-    assert "TARGETQUANT[/DRAFTQUANT[+vN]][:DTYPE]" in exc.value.hint
+    assert "TARGETQUANT[/DRAFTQUANT[+vN]][:DTYPE][~W4A8PATH]" in exc.value.hint
 
 
 def test_a_draft_vocabulary_makes_a_config_of_its_own() -> None:
@@ -395,6 +397,17 @@ def test_a_draft_vocabulary_makes_a_config_of_its_own() -> None:
     assert find_config([full, short], "w4a8/w4a8+v65536:float32") is short
     with pytest.raises(ConfigSpecError, match="same configuration"):
         parse_config_specs("w4a8/w4a8+v100,w4a8/w4a8+v100")
+
+
+def test_a_w4a8_path_makes_a_config_of_its_own() -> None:
+    """`~avx2` runs a config's turns on the kernel's AVX2 code: two paths, one interleaved run."""
+    auto, avx2 = parse_config_specs("w4a8,w4a8~avx2")
+    assert (auto.w4a8_path, avx2.w4a8_path) == (None, "avx2")
+    assert (avx2.target_quant, avx2.draft_quant, avx2.label) == ("w4a8", "w4a8", "w4a8~avx2")
+    assert parse_config_spec("int8/w4a8:float32~avx512vnni").w4a8_path == "avx512vnni"
+    assert find_config([auto, avx2], "w4a8/w4a8~avx2") is avx2
+    with pytest.raises(ConfigSpecError, match="same configuration"):
+        parse_config_specs("w4a8~avx2,w4a8/w4a8~avx2")
 
 
 def test_the_same_config_twice_and_an_unknown_one_are_errors() -> None:
