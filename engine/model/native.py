@@ -8,6 +8,10 @@ The kernels register with torch (`torch.ops.specchat.w4a8_linear`,
 `torch.classes.specchat.Decoder`): no Python module,
 no pybind11, and parallel loops run on torch's own thread pool.
 
+The w4a8 kernel has two paths, AVX2 and AVX512-VNNI, that give the same bits;
+loading it picks VNNI where the CPU has it (`w4a8_choice`), $SPECCHAT_W4A8
+overrides, and `w4a8_describe` says which runs (Ready's notes, bench reports).
+
 A machine that cannot build them (no compiler; w4a8 also needs x86 with
 AVX2, FMA and F16C, read from the CPU by engine/model/cpu.py) gets a
 `QuantizationError` that says why and what to use instead.
