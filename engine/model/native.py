@@ -112,6 +112,11 @@ def _set_w4a8(requested: str, vnni_min_rows: int = W4A8_VNNI_MIN_ROWS) -> str:
     return path
 
 
+def w4a8_default() -> str:
+    """The path asked for where nothing names one: $SPECCHAT_W4A8, else auto."""
+    return os.environ.get(W4A8_ENV, "auto")
+
+
 def w4a8_path() -> str | None:
     """The w4a8 path calls take now ("avx2" or "avx512vnni"), None before the kernel loads."""
     return _w4a8_path.get("path")
@@ -233,7 +238,7 @@ def load(kernel: str) -> None:
             raise error from exc
         if kernel == "w4a8":  # its path, from this CPU or $SPECCHAT_W4A8 (w4a8_describe says)
             try:
-                _set_w4a8(os.environ.get(W4A8_ENV, "auto"))
+                _set_w4a8(w4a8_default())
             except QuantizationError as error:  # a path this CPU lacks, or no path's name
                 _failed[kernel] = error
                 raise

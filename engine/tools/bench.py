@@ -249,11 +249,12 @@ def _rss_bytes() -> int | None:
 
 
 def use_w4a8_path(spec: ConfigSpec | None) -> None:
-    """The w4a8 kernel's path for a config's runs: its ~PATH, else this CPU's choice. Only
-    where a path is named or the kernel is loaded (a run without w4a8 builds nothing)."""
+    """The w4a8 kernel's path for a config's runs: its ~PATH, else $SPECCHAT_W4A8's or this
+    CPU's choice. Only where a path is named or the kernel is loaded (a run without w4a8
+    builds nothing)."""
     want = spec.w4a8_path if spec is not None else None
     if want or native.w4a8_path() is not None:
-        native.w4a8_use(want or "auto")
+        native.w4a8_use(want or native.w4a8_default())
 
 
 def load_configs(

@@ -331,3 +331,22 @@ def test_a_bad_path_in_the_environment_is_refused_at_load() -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
     assert "refused: SPECCHAT_W4A8='sse9' names no w4a8 path" in out.stdout, out.stderr[-2000:]
+
+
+@needs_kernel
+def test_a_bench_config_without_a_path_takes_the_environments(
+    monkeypatch: pytest.MonkeyPatch, path_restored: object
+) -> None:
+    """bench --configs w4a8,w4a8~avx2: the config that names no path runs on $SPECCHAT_W4A8's
+    choice (else this CPU's), the other on its own, switched before each of their runs."""
+    from specchat.engine.tools.bench import use_w4a8_path
+    from specchat.engine.tools.bench_runs import parse_config_spec
+
+    auto, avx2 = parse_config_spec("w4a8"), parse_config_spec("w4a8~avx2")
+    use_w4a8_path(avx2)
+    assert native.w4a8_path() == "avx2"
+    use_w4a8_path(auto)
+    assert native.w4a8_path() == native.w4a8_choice("auto")[0]
+    monkeypatch.setenv(native.W4A8_ENV, "avx2")
+    use_w4a8_path(auto)
+    assert native.w4a8_path() == "avx2"
