@@ -93,6 +93,25 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+// f(std::integral_constant<int, MC>{}, m) for the activation rows m.. of M: passes of MAX
+// rows, then the rest in one pass (MC < MAX), so each pass is a kernel compiled for its MC.
+template <int MC, class F>
+void rest_pass(int64_t left, int64_t m, const F& f) {
+  if constexpr (MC >= 1) {
+    if (left == MC)
+      f(std::integral_constant<int, MC>{}, m);
+    else
+      rest_pass<MC - 1>(left, m, f);
+  }
+}
+
+template <int MAX, class F>
+void row_passes(int64_t M, const F& f) {
+  int64_t m = 0;
+  for (; m + MAX <= M; m += MAX) f(std::integral_constant<int, MAX>{}, m);
+  rest_pass<MAX - 1>(M - m, m, f);
+}
+
 // MC activation rows against one group of 8 weight rows.
 // w: [nb][4][8 rows][4 bytes]: in load i of a block, row r's byte j carries code 4i + j in
 // its low nibble and code 16 + 4i + j in its high one. dw, mw: [nb][8] float16, row r at r.
@@ -234,18 +253,7 @@ SPECCHAT_VNNI void pair_all_rows(const uint8_t* W, const uint16_t* D, const uint
                                          QA + m * K, DS + m * nb, SS + m * nb, K, Y + m * N, N,
                                          n0, nv);
   };
-  int64_t m = 0;
-  for (; m + 8 <= M; m += 8) rows(std::integral_constant<int, 8>{}, m);
-  switch (M - m) {
-    case 7: rows(std::integral_constant<int, 7>{}, m); break;
-    case 6: rows(std::integral_constant<int, 6>{}, m); break;
-    case 5: rows(std::integral_constant<int, 5>{}, m); break;
-    case 4: rows(std::integral_constant<int, 4>{}, m); break;
-    case 3: rows(std::integral_constant<int, 3>{}, m); break;
-    case 2: rows(std::integral_constant<int, 2>{}, m); break;
-    case 1: rows(std::integral_constant<int, 1>{}, m); break;
-    default: break;
-  }
+  row_passes<8>(M, rows);
 }
 
 // Choose the path (0 AVX2, 1 AVX512-VNNI from min_rows activation rows up) for every later
@@ -320,14 +328,7 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
         group_rows<decltype(mc)::value>(w, dw, mw, nb, QA + m * K, DS + m * nb, SS + m * nb, K,
                                          Y + m * N, N, n0, nv);
       };
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) rows(std::integral_constant<int, 4>{}, m);
-      switch (M - m) {
-        case 3: rows(std::integral_constant<int, 3>{}, m); break;
-        case 2: rows(std::integral_constant<int, 2>{}, m); break;
-        case 1: rows(std::integral_constant<int, 1>{}, m); break;
-        default: break;
-      }
+      row_passes<4>(M, rows);
     }
   });
   return y;
