@@ -23,6 +23,7 @@ import torch
 from ..config import LOCAL_MODES, SPEC_ALONE, DecodeConfig, Mode, QuantMode
 from ..errors import EngineError
 from ..events import Failed, Notice, RoundEvent, TokenEvent, TurnFinished, TurnStarted
+from ..model import native
 
 if TYPE_CHECKING:
     from ..decode.session import ChatSession
@@ -56,7 +57,7 @@ class ConfigSpecError(EngineError):
 # -- model configurations and arms ---------------------------------------------------
 
 CONFIG_SYNTAX = "TARGETQUANT[/DRAFTQUANT[+vN]][:DTYPE][~W4A8PATH]"
-W4A8_PATHS = ("avx2", "avx512vnni")  # engine/model/native.py's, for ~PATH
+W4A8_PATHS = tuple(native.W4A8_PATHS)  # what ~PATH may name
 
 
 @dataclass(frozen=True, slots=True)
