@@ -93,7 +93,10 @@ def w4a8_choice(requested: str = "auto", have: cpu.CpuFeatures | None = None) ->
     return want, f"{W4A8_ENV}={want}"
 
 
-W4A8_VNNI_MIN_ROWS = 4  # fewer rows are bound by reads: the AVX2 code, same bits (w4a8.cpp)
+# One row is bound by reads: the AVX2 code, same bits (w4a8.cpp). From two rows up the VNNI
+# code wins or ties: 2-3-row verify blocks of the 1.5B ~10% faster on Zen 5, a tie on Zen 4
+# (docs/performance.md, step 23).
+W4A8_VNNI_MIN_ROWS = 2
 
 
 def w4a8_use(requested: str = "auto", vnni_min_rows: int = W4A8_VNNI_MIN_ROWS) -> str:

@@ -42,7 +42,7 @@ Modes:
   channels, activations quantized to int8 per 32 values, through specchat's
   own AVX2 kernel (csrc/w4a8.cpp, compiled on first use by engine/model/native.py;
   x86-64 with AVX2, FMA and F16C, and a C++ compiler), which takes an AVX512-VNNI
-  path for blocks of 4+ rows where the CPU has it (the same bits, chosen at run time).
+  path for blocks of 2+ rows where the CPU has it (the same bits, chosen at run time).
   Half the bytes of int8 per token and a kernel that streams them: 2-3x
   fbgemm's speed on one layer at one row, ~1.5x per decode step of the 1.5B;
   a block of K+1 rows costs more than fbgemm's,

@@ -23,9 +23,10 @@
 // zmm holds the same load of two neighbouring row groups, and vpdpbusd multiplies and sums
 // 4 code-activation pairs into each row's int32 lane in one instruction where AVX2 needs
 // vpmaddubsw, an add and vpmaddwd; it takes up to 8 activation rows per pass over the
-// weights (AVX2: 4), for calls of 4 rows or more (verify blocks, prefill). The block sums are the same exact integers and the float steps after
-// them the same instructions in the same order, so both paths give the same bits; which
-// one runs is chosen at run time (w4a8_set_path, from engine/model/native.py).
+// weights (AVX2: 4), for calls of 2 rows or more (verify blocks, prefill). The block sums
+// are the same exact integers and the float steps after them the same instructions in the
+// same order, so both paths give the same bits; which one runs is chosen at run time
+// (w4a8_set_path, from engine/model/native.py).
 //
 // Registered as torch.ops.specchat.w4a8_linear; compiled on first use (engine/native.py).
 
@@ -163,7 +164,7 @@ void group_rows(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int64_
 // 0: AVX2 (every CPU the kernel runs on), 1: AVX512-VNNI for calls of at least
 // g_vnni_min_rows activation rows. Set by w4a8_set_path.
 std::atomic<int> g_path{0};
-std::atomic<int64_t> g_vnni_min_rows{4};
+std::atomic<int64_t> g_vnni_min_rows{2};
 
 // 4 activation bytes, repeated for each of the 16 rows of two groups (vpdpbusd folds it
 // into an embedded broadcast).
@@ -260,6 +261,7 @@ SPECCHAT_VNNI void pair_all_rows(const uint8_t* W, const uint16_t* D, const uint
 // call; returns the one before. A single row is bound by reading the weights, and there the
 // two streams of a row-group pair read slower than one (Zen 4: 43 against 38 ms for the
 // 1.5B's layers), so fewer rows than min_rows take the AVX2 code: the same bits either way.
+// From 2 rows up VNNI ties (Zen 4) or wins (Zen 5: a 2-3-row block of the 1.5B ~10% faster).
 // Refuses VNNI on a CPU without it rather than fault on its first instruction.
 int64_t w4a8_set_path(int64_t path, int64_t min_rows) {
   TORCH_CHECK(path == 0 || path == 1, "w4a8 path: 0 (AVX2) or 1 (AVX512-VNNI)");
@@ -388,5 +390,5 @@ TORCH_LIBRARY(specchat, m) {
   m.def("w4a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, int N) -> Tensor",
         &w4a8_linear);
   m.def("w4a8_pack(Tensor weight) -> (Tensor, Tensor, Tensor)", &w4a8_pack);
-  m.def("w4a8_set_path(int path, int min_rows=4) -> int", &w4a8_set_path);
+  m.def("w4a8_set_path(int path, int min_rows=2) -> int", &w4a8_set_path);
 }
