@@ -213,6 +213,101 @@ def replay_full_tree(
     return len(rank) / cost
 
 
+def feed_cost(feed: dict[int, float], n: int) -> float:
+    """Steps for the draft to read n tokens in one pass, from the trace's measured feeds."""
+    pts = sorted(feed)
+    for a, b in zip(pts, pts[1:], strict=False):
+        if a <= n <= b:
+            return feed[a] + (feed[b] - feed[a]) * (n - a) / (b - a)
+    return feed[pts[-1]] * n / pts[-1] if n > pts[-1] else feed[pts[0]]
+
+
+COMPOSE_POLICIES = ("model", "lookup", "composed")
+
+
+def replay_composed(
+    prompt: dict, policy: str, c: float, verify: dict[int, float], feed: dict[int, float]
+) -> tuple[float, dict[str, int]]:
+    """Speedup over plain of spec composed with prompt lookup, round by round as the session
+    runs it (engine/decode/session.py `_round`), from a trace's replies and draft matches.
+
+    policy: "model" the draft model alone; "lookup" copies alone (a plain step where
+    nothing matches); "composed" a copy wherever the lookup finds one, priced by a
+    controller of its own, the draft model's round elsewhere.
+    The draft model reads the prompt before its first round (a catch-up), the first
+    token is a plain step, and after a copy or a plain stretch the draft catches up on
+    what it missed (a pass over more than two tokens; two or fewer ride in its next
+    propose). Costs are target steps; greedy acceptance is the trace's.
+    """
+    from specchat.engine.config import MAX_K
+    from specchat.engine.decode.lookup import LookupDrafter
+
+    ids, n0, match = prompt["ids"], prompt["prompt_tokens"], prompt["match"]
+    reply = len(match)
+    step = 100.0
+    measured = {k: verify[k] for k in (1, 4) if k in verify}
+    model = Controller(DecodeConfig(), Costs(step, c * step, 0.2, dict(measured)))
+    copier = Controller(DecodeConfig(), Costs(step, 0.0, 0.2, dict(measured)))
+    lookup = LookupDrafter(1)
+    use_model, use_copy = policy != "lookup", policy != "model"
+    cost, t, unseen = 1.0, 1, n0 + 1  # the first token: a plain step; the draft has read nothing
+    rounds = {"copy": 0, "copy_accepted": 0, "copy_drafted": 0, "model": 0, "plain": 0}
+    while t < reply:
+        remaining = reply - t
+        found = lookup.match(ids[: n0 + t], MAX_K) if use_copy else []
+        if found and copier.mode is Mode.SPEC and remaining > 1:
+            k = min(copier.next()[1], remaining - 1, len(found))
+            acc = 0
+            while acc < k and found[acc] == ids[n0 + t + acc]:
+                acc += 1
+            k_v = min(k, max(verify))
+            cost += verify[k_v]
+            copier.observe_round(k, acc, 0.0, verify[k_v] * step)
+            copier.take_reason()
+            rounds["copy"] += 1
+            rounds["copy_drafted"] += k
+            rounds["copy_accepted"] += acc
+            t, unseen = t + acc + 1, unseen + acc + 1
+            continue
+        mode, k = model.next() if use_model else (Mode.PLAIN, 0)
+        k = min(k, remaining - 1, max(verify))
+        if mode is Mode.PLAIN or k < 1:
+            cost, t, unseen = cost + 1, t + 1, unseen + 1
+            model.observe_plain(step)
+            model.take_reason()
+            rounds["plain"] += 1
+            continue
+        if unseen > 2:  # a catch-up pass, untimed by the controller, then one row in propose
+            cost += feed_cost(feed, unseen - 1)
+            unseen = 1
+        acc = 0
+        while acc < k and match[t + acc]:
+            acc += 1
+        cost += c * (1 + 0.1 * (unseen - 1)) + (k - 1) * c + verify[k]
+        model.observe_round(k, acc, k * c * step, verify[k] * step)
+        model.take_reason()
+        rounds["model"] += 1
+        t, unseen = t + acc + 1, 2 if acc == k else 1
+    return reply / cost, rounds
+
+
+def replay_compose_table(
+    prompts: list[dict], c: float, verify: dict[int, float], feed: dict[int, float]
+) -> None:
+    """One line per composition policy: median and per-reply speedups, and what the copies did."""
+    for policy in COMPOSE_POLICIES:
+        runs = [replay_composed(p, policy, c, verify, feed) for p in prompts]
+        speedups = [s for s, _ in runs]
+        n = {k: sum(r[k] for _, r in runs) for k in runs[0][1]}
+        kept = n["copy_accepted"] / max(1, n["copy_drafted"])
+        per = " ".join(f"{s:.2f}" for s in speedups)
+        print(
+            f"  {policy:9s} {statistics.median(speedups):.3f}  [{per}]  copies {n['copy']} "
+            f"({kept:.2f} of {n['copy_drafted']} drafts kept), model rounds {n['model']}, "
+            f"plain {n['plain']}"
+        )
+
+
 def replay(args: argparse.Namespace) -> None:
     trace = json.loads(Path(args.trace).read_text())
     verify = {k + 1: float(v) for k, v in enumerate(args.verify.split(","))}
@@ -228,6 +323,9 @@ def replay(args: argparse.Namespace) -> None:
     print(f"v(K) = {verify}")
     for c in (float(x) for x in args.c.split(",")):
         print(f"\nc = {c}: speedup over plain (median, then per reply: {' '.join(ids)})")
+        if args.compose:
+            replay_compose_table(trace["prompts"], c, verify, feed)
+            continue
         for name, k in policies:
             runs = [replay_one(m, k, c, verify, feed) for m in matches]
             speedups = [s for s, _ in runs]
@@ -298,6 +396,11 @@ def main() -> None:
         "--draft-verify",
         default="1.0,1.44,1.45,1.94",
         help="the draft's cost of a pass over 1, 2, ... rows, in draft steps (full trees)",
+    )
+    rep.add_argument(
+        "--compose",
+        action="store_true",
+        help="price spec composed with prompt lookup (copies gated or not) against each alone",
     )
     args = ap.parse_args()
     record(args) if args.cmd == "record" else replay(args)

@@ -54,3 +54,39 @@ def test_a_sibling_holding_the_target_token_is_accepted_with_a_bonus(trace: Modu
     assert trace.replay_tree([2] * 40, 1, 1, 2, 0.0, 1.0) == pytest.approx(1.0)
     # Priced rows make the tree lose where its rows cost more than its tokens.
     assert trace.replay_tree(ranks, 1, 1, 2, 0.0, 2.5) < 1.0
+
+
+def _prompt(prompt: list[int], reply: list[int], match: list[int]) -> dict:
+    return {"ids": prompt + reply, "prompt_tokens": len(prompt), "match": match}
+
+
+FEED = {1: 1.0, 48: 1.0}  # a catch-up pass of any length: one step
+
+
+def test_composition_without_a_copy_prices_as_the_model_alone(trace: ModuleType) -> None:
+    # No 2-gram of the reply occurred before: the lookup never drafts, so composed is the
+    # model's rounds exactly, and lookup alone is plain decoding.
+    rng = random.Random(1)
+    prompt = list(range(1000, 1040))
+    reply = list(range(2000, 2120))
+    match = [int(rng.random() < 0.8) for _ in reply]
+    p = _prompt(prompt, reply, match)
+    verify = {k: 1.0 + 0.1 * k for k in range(1, 9)}
+    model, _ = trace.replay_composed(p, "model", 0.4, verify, FEED)
+    composed, rounds = trace.replay_composed(p, "composed", 0.4, verify, FEED)
+    lookup, _ = trace.replay_composed(p, "lookup", 0.4, verify, FEED)
+    assert rounds["copy"] == 0 and composed == pytest.approx(model)
+    assert lookup == pytest.approx(1.0)
+
+
+def test_a_reply_that_copies_the_prompt_is_drafted_by_the_lookup(trace: ModuleType) -> None:
+    # The reply repeats the prompt and the draft model never agrees: copies carry the
+    # reply, the model's rounds lose (a draft that is always refused costs c and v).
+    prompt = list(range(1000, 1120))
+    reply = prompt[:100]
+    p = _prompt(prompt, reply, [0] * len(reply))
+    verify = {k: 1.0 + 0.05 * k for k in range(1, 9)}
+    model, _ = trace.replay_composed(p, "model", 0.4, verify, FEED)
+    composed, rounds = trace.replay_composed(p, "composed", 0.4, verify, FEED)
+    assert model < 1.0 < composed
+    assert rounds["copy"] > 0 and rounds["copy_accepted"] == rounds["copy_drafted"]
