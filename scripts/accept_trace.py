@@ -117,6 +117,15 @@ def record(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps(out))
 
 
+def feed_cost(feed: dict[int, float], n: int) -> float:
+    """Steps for the draft to read n tokens in one pass, from the trace's measured feeds."""
+    pts = sorted(feed)
+    for a, b in zip(pts, pts[1:], strict=False):
+        if a <= n <= b:
+            return feed[a] + (feed[b] - feed[a]) * (n - a) / (b - a)
+    return feed[pts[-1]] * n / pts[-1] if n > pts[-1] else feed[pts[0]]
+
+
 def replay_one(
     match: list[int],
     k_forced: int | None,
@@ -127,13 +136,7 @@ def replay_one(
     """Speedup over plain decoding of one reply, and the controller's fallbacks."""
 
     def catch_up(n: int) -> float:  # steps to feed n missed tokens; <= 2 ride in propose
-        if n <= 2:
-            return 0.0
-        pts = sorted(feed)
-        for a, b in zip(pts, pts[1:], strict=False):
-            if a <= n <= b:
-                return feed[a] + (feed[b] - feed[a]) * (n - a) / (b - a)
-        return feed[pts[-1]] * n / pts[-1]
+        return 0.0 if n <= 2 else feed_cost(feed, n)
 
     step = 100.0
     measured = {k: verify[k] for k in (1, 4) if k in verify}  # what the session measures at load
@@ -211,15 +214,6 @@ def replay_full_tree(
         cost += draft + v[nodes] + (0.2 * c if j == depth else 0.0)  # two tokens pending
         t += j + 1
     return len(rank) / cost
-
-
-def feed_cost(feed: dict[int, float], n: int) -> float:
-    """Steps for the draft to read n tokens in one pass, from the trace's measured feeds."""
-    pts = sorted(feed)
-    for a, b in zip(pts, pts[1:], strict=False):
-        if a <= n <= b:
-            return feed[a] + (feed[b] - feed[a]) * (n - a) / (b - a)
-    return feed[pts[-1]] * n / pts[-1] if n > pts[-1] else feed[pts[0]]
 
 
 COMPOSE_POLICIES = ("model", "lookup", "composed")
