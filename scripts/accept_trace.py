@@ -394,7 +394,7 @@ def main() -> None:
     rep.add_argument(
         "--compose",
         action="store_true",
-        help="price spec composed with prompt lookup (copies gated or not) against each alone",
+        help="price spec composed with prompt lookup against the draft model and the lookup alone",
     )
     args = ap.parse_args()
     record(args) if args.cmd == "record" else replay(args)
