@@ -8,6 +8,7 @@ on scratch tokens, so the first round's K comes from this machine's figures.
 from __future__ import annotations
 
 import functools
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +29,9 @@ class Costs:
     # v(K) measured at these K. On a CPU v is not linear in K (a 2-token pass can
     # cost 1.1 steps and a 5-token one 2), so measured points beat the slope.
     verify_at: dict[int, float] = field(default_factory=dict)
+    # The draft's one-token steps on one thread, where measured faster than on all (with
+    # both timings, ms), else None: see ModelRunner.steps_on_one_thread.
+    draft_one_thread: tuple[float, float] | None = None
 
     def ratio(self) -> float | None:
         if self.target_step_ms and self.draft_step_ms is not None:
@@ -48,7 +52,11 @@ class Costs:
 
 def measure_costs(target: ModelRunner, draft: ModelRunner, k: int = 4, repeats: int = 3) -> Costs:
     """Time one target step, verify passes of 2 and k+1 tokens, and one draft step (medians of
-    `repeats` after a warm-up, each model prefilled once). Leaves both caches empty."""
+    `repeats` after a warm-up, each model prefilled once). Leaves both caches empty.
+
+    On a CPU with several threads the draft's step is timed on one thread too, in turns
+    with all of them; `draft_one_thread` says when one thread was clearly faster (the
+    caller then sets the draft runner's `steps_on_one_thread`)."""
     seq = [int(i) % 64 + 3 for i in range(24)]
 
     def timer(runner: ModelRunner) -> Callable[[int], float]:
@@ -76,7 +84,19 @@ def measure_costs(target: ModelRunner, draft: ModelRunner, k: int = 4, repeats: 
     step = on_target(1)
     verify = on_target(k + 1)
     verify_one = on_target(2)  # K=1: on a CPU often the best K
-    draft_step = timer(draft)(1)
+    on_draft = timer(draft)
+    draft_step = on_draft(1)
+    one_thread = None
+    if torch.get_num_threads() > 1 and draft.device.type == "cpu":
+        every, alone = [draft_step], []
+        for _ in range(2):  # in turns, so drift in the machine's speed hits both alike
+            draft.steps_on_one_thread = True
+            alone.append(on_draft(1))
+            draft.steps_on_one_thread = False
+            every.append(on_draft(1))
+        draft_step, one = statistics.median(every), statistics.median(alone)
+        if one < draft_step * ONE_THREAD_GAIN:
+            one_thread, draft_step = (one, draft_step), one
     target.reset()
     draft.reset()
     return Costs(
@@ -84,7 +104,13 @@ def measure_costs(target: ModelRunner, draft: ModelRunner, k: int = 4, repeats: 
         draft_step_ms=draft_step,
         verify_slope=max(0.0, (verify / step - 1.0) / k),
         verify_at={1: verify_one / step, k: verify / step},
+        draft_one_thread=one_thread,
     )
+
+
+# The draft's steps move to one thread only for a clear gain: a wrong choice from a noisy
+# measurement costs the whole session, a missed 3% costs little.
+ONE_THREAD_GAIN = 0.97
 
 
 MAX_K_HEAD = 6  # verify costs measured for the head: K = 1..6

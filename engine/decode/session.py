@@ -193,6 +193,12 @@ class ChatSession:
             notes.append(f"decoding through transformers' modules, not natively: {runner.native_off}")
         if c is not None:
             facts = [f"draft/target step cost c={c:.2f}"]
+            if self.costs.draft_one_thread is not None:
+                one, every = self.costs.draft_one_thread
+                facts.append(
+                    f"draft steps on one thread ({one:.1f} against {every:.1f} ms on "
+                    f"{torch.get_num_threads()})"
+                )
             facts.append(f"target step {self.costs.target_step_ms:.1f} ms")
             facts += [f"verify K={k}: {v:.2f} steps" for k, v in sorted(self.costs.verify_at.items())]
             notes.append("measured: " + ", ".join(facts))
@@ -213,6 +219,8 @@ class ChatSession:
             return self.costs
         scratch = ModelRunner(self.draft.model, self.draft.device)
         self.costs = measure_costs(self.target_runner, scratch, k, repeats)
+        if isinstance(self.drafter, ModelDrafter):
+            self.drafter.runner.steps_on_one_thread = self.costs.draft_one_thread is not None
         self.tokens = []
         self.ready = self._make_ready()
         return self.costs

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from .attention import use_rowwise_attention
+from .attention import one_thread, use_rowwise_attention
 from .decoder import native_decoder
 from .invariance import RowsApart, plan
 from .kv_cache import new_cache
@@ -53,6 +53,11 @@ class ModelRunner:
         # fed row, from the pass that computes the logits anyway.
         self.capture: tuple[int, ...] = ()
         self.on_features: Callable[[int, Tensor], None] | None = None
+        # One-token passes on one thread: a small model's step is bound by one core's reads
+        # and the second thread's wake costs more than it brings (the 0.5B draft on a Zen 5:
+        # 14 against 16 ms on two). Set where measured faster (decode/costs.py); blocks of
+        # several rows keep every thread. Which thread computes a value never changes it.
+        self.steps_on_one_thread = False
 
     @property
     def stack(self) -> LayerStack | None:
@@ -82,6 +87,10 @@ class ModelRunner:
         n = int(ids.shape[-1])
         if n == 0:
             raise ValueError("feed() needs at least one new token")
+        with one_thread(n == 1 and self.steps_on_one_thread):
+            return self._feed(ids, n, keep)
+
+    def _feed(self, ids: Tensor, n: int, keep: int) -> Tensor:
         stack = self.stack
         capture = self.capture if self.on_features is not None else ()
         if stack is not None and self.native is not None and self.native.usable(self.cache, self.cached, n):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -253,4 +254,67 @@ def test_measured_costs_leave_the_session_as_new(target: torch.nn.Module) -> Non
     cfg = DecodeConfig(max_new_tokens=10, k=2)
     assert tokens_of(list(measured.stream("hello", cfg))) == tokens_of(
         list(plain.stream("hello", cfg))
+    )
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_steps_on_one_thread_take_one_token_passes_only(
+    target: torch.nn.Module, two_threads: None
+) -> None:
+    """A runner whose steps run on one thread feeds one token on one thread and a block on
+    all of them, puts the count back, and computes the same logits."""
+    session = make(target)
+    runner = session.target_runner
+    seen: list[tuple[int, int]] = []
+    feed = runner._feed
+
+    def spy(ids: torch.Tensor, n: int, keep: int) -> torch.Tensor:
+        seen.append((n, torch.get_num_threads()))
+        return feed(ids, n, keep)
+
+    runner._feed = spy  # type: ignore[method-assign]
+    ids = [3, 9, 14, 7, 22, 5]
+    runner.feed(ids[:4])
+    want = [runner.feed([ids[4]]), runner.feed(ids[5:], keep=1)]
+    runner.steps_on_one_thread = True
+    runner.crop_to(4)
+    got = [runner.feed([ids[4]]), runner.feed(ids[5:], keep=1)]
+    runner.crop_to(4)
+    block = runner.feed(ids[4:], keep=2)
+    assert torch.get_num_threads() == 2
+    assert seen == [(4, 2), (1, 2), (1, 2), (1, 1), (1, 1), (2, 2)]
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    assert torch.equal(block[0], got[0][0])
+
+
+@pytest.mark.parametrize("gain", [0.0, 1e9])
+def test_the_draft_runs_its_steps_on_one_thread_where_measured_faster(
+    target: torch.nn.Module, two_threads: None, monkeypatch: pytest.MonkeyPatch, gain: float
+) -> None:
+    """The load's measurement decides, the drafter's runner follows, Ready says it; a turn
+    after it emits what plain decoding emits either way."""
+    from specchat.engine.decode import costs as costs_module
+
+    monkeypatch.setattr(costs_module, "ONE_THREAD_GAIN", gain)  # 0: never faster; 1e9: always
+    session = make(target)
+    costs = session.measure_costs(k=2, repeats=1)
+    assert session.drafter is not None
+    on_one = session.drafter.runner.steps_on_one_thread  # type: ignore[attr-defined]
+    assert on_one is (gain > 1) and (costs.draft_one_thread is not None) is on_one
+    assert any("draft steps on one thread" in n for n in session.ready.notes) is on_one
+    if costs.draft_one_thread is not None:
+        assert costs.draft_step_ms == costs.draft_one_thread[0]
+    cfg = DecodeConfig(max_new_tokens=12, k=2)
+    plain = make(target)
+    assert tokens_of(list(session.stream("hello", cfg))) == tokens_of(
+        list(plain.stream("hello", DecodeConfig(mode=Mode.PLAIN, max_new_tokens=12)))
     )
