@@ -30,6 +30,8 @@ SPECULATIVE_MODES = frozenset({Mode.SPEC, Mode.SELF_SPEC, Mode.LOOKUP, Mode.EAGL
 
 # The bench's and A/B's name for spec with the draft model alone (compose=False).
 SPEC_ALONE = "spec-alone"
+# ... and for spec drafting then verifying in turns, never ahead (ahead=False).
+SPEC_SERIAL = "spec-serial"
 
 # The most draft tokens a round verifies. A verify block is the last token plus K
 # drafts, and a token scores exactly as it would alone only while the block takes
@@ -83,6 +85,9 @@ class DecodeConfig:
     # spec: prompt lookup drafts first, the draft model where it finds nothing
     # (engine/decode/compose.py); False: the draft model alone, for its own acceptance.
     compose: bool = True
+    # greedy spec: the draft model drafts on a core of its own while the target verifies,
+    # where the load measured that it pays (engine/decode/ahead.py); False: draft, then verify.
+    ahead: bool = True
     stop: tuple[str, ...] = field(default_factory=tuple)
     seed: int | None = None
     # early exit (lossy) and self-speculation (lossless)

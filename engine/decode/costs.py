@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import functools
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from ..metrics import expected_speedup
 from ..model.eagle import EagleHead, HeadCache
 from ..model.runner import ModelRunner
 
@@ -106,6 +108,112 @@ def measure_costs(target: ModelRunner, draft: ModelRunner, k: int = 4, repeats: 
         verify_at={1: verify_one / step, k: verify / step},
         draft_one_thread=one_thread,
     )
+
+
+# Whether the draft runs ahead on a core of its own (decode/ahead.py) is decided at load from
+# what both ways are predicted to cost a token at this acceptance (the default pair's on chat
+# and code prompts: 0.8-0.86), and only for a clear gain.
+AHEAD_ALPHA = 0.8
+AHEAD_GAIN = 0.95
+
+
+@dataclass(slots=True)
+class AheadCosts:
+    """The target's passes on all threads but one while the draft steps on that one
+    (decode/ahead.py), and what a token is predicted to cost that way and the serial way."""
+
+    costs: Costs  # what the controller of a turn drafted ahead starts from
+    alone_ms: float  # the target's step alone, on every thread
+    draft_ms: float  # the draft's step on its own thread, beside the target's passes
+    serial_ms: float  # predicted ms a token: draft, then verify (the controller's best K)
+    ahead_ms: float  # predicted ms a token: the draft ahead (ahead.predict_ahead_ms)
+
+    @property
+    def pays(self) -> bool:
+        return self.ahead_ms < self.serial_ms * AHEAD_GAIN
+
+    def describe(self, on: bool) -> str:
+        """What greedy spec turns do (`on`: the draft runs ahead) and the figures it chose by."""
+        beside = self.costs.target_step_ms or 0.0
+        verdict = "the draft runs ahead on a core of its own" if on else (
+            "the draft drafts, then the target verifies"
+        )
+        if on != self.pays:
+            verdict += " (SPECCHAT_AHEAD)"
+        return (
+            f"{verdict}: {self.ahead_ms:.1f} against {self.serial_ms:.1f} ms a token predicted "
+            f"at α={AHEAD_ALPHA}; beside the draft the target's step takes {beside:.1f} ms "
+            f"({self.alone_ms:.1f} alone), verify K=1: {self.costs.verify_ratio(1):.2f}, "
+            f"K=4: {self.costs.verify_ratio(4):.2f} steps; the draft's step {self.draft_ms:.1f} ms"
+        )
+
+
+def measure_ahead(
+    target: ModelRunner, draft: ModelRunner, serial: Costs, k: int = 4, repeats: int = 3
+) -> AheadCosts:
+    """Time the target's passes of 1, 2 and k+1 tokens on all threads but one while another
+    thread runs draft steps without pause, as a turn drafted ahead runs them, and predict
+    both ways' cost a token from these and the `serial` costs. Leaves both caches empty and
+    this thread's torch threads as they were."""
+    from .ahead import predict_ahead_ms
+
+    seq = [int(i) % 64 + 3 for i in range(24)]
+    stop = threading.Event()
+    draft_times: list[float] = []
+
+    def draft_steps() -> None:
+        torch.set_num_threads(1)
+        draft.reset()
+        draft.prefill(seq)
+        start = draft.cached
+        while not stop.is_set():
+            draft.crop_to(start)
+            t0 = time.perf_counter()
+            draft.feed(seq[-1:], keep=1)
+            draft_times.append((time.perf_counter() - t0) * 1e3)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, before - 1))
+    target.reset()
+    target.prefill(seq)
+    base = target.cached
+
+    def timed(n_new: int) -> float:
+        target.crop_to(base)
+        t0 = time.perf_counter()
+        target.feed(seq[-1:] * n_new, keep=n_new)
+        return (time.perf_counter() - t0) * 1e3
+
+    helper = threading.Thread(target=draft_steps, name="specchat-measure-draft", daemon=True)
+    helper.start()
+    try:
+        for n in (1, 2, k + 1):  # warm-up, the draft running
+            timed(n)
+        step = statistics.median(timed(1) for _ in range(repeats))
+        verify = {
+            j: statistics.median(timed(j + 1) for _ in range(repeats)) / step for j in (1, k)
+        }
+    finally:
+        stop.set()
+        helper.join()
+        torch.set_num_threads(before)
+        target.reset()
+        draft.reset()
+    beside = Costs(
+        target_step_ms=step,
+        draft_step_ms=0.0,  # off the round: the draft ran meanwhile
+        verify_slope=max(0.0, (verify[k] - 1.0) / k),
+        verify_at=verify,
+    )
+    settled = draft_times[len(draft_times) // 4 :] or draft_times or [float("inf")]
+    draft_ms = statistics.median(settled)
+    assert serial.target_step_ms is not None and serial.draft_step_ms is not None
+    c = serial.draft_step_ms / serial.target_step_ms
+    serial_ms = serial.target_step_ms / max(
+        expected_speedup(AHEAD_ALPHA, j, c, serial.verify_ratio(j)) for j in range(1, 9)
+    )
+    ahead_ms = predict_ahead_ms(AHEAD_ALPHA, step, beside.verify_ratio, draft_ms, k)
+    return AheadCosts(beside, serial.target_step_ms, draft_ms, serial_ms, ahead_ms)
 
 
 # The draft's steps move to one thread only for a clear gain: a wrong choice from a noisy

@@ -35,9 +35,10 @@ from ..model import native
 from ..model.eagle import EagleHead
 from ..model.runner import ModelRunner
 from ..weights.loading import LoadedModel, check_tokenizers_match, load_model, set_threads
+from .ahead import AheadDrafter, ahead_of, common_prefix_len
 from .compose import ComposedDrafter
 from .controller import Controller
-from .costs import Costs, measure_costs, measure_head_cost
+from .costs import AheadCosts, Costs, measure_ahead, measure_costs, measure_head_cost
 from .early_exit import EarlyExitStepper, SelfSpecDrafter
 from .exit_policy import policy_for
 from .head import HeadDrafter, load_draft_head
@@ -55,14 +56,6 @@ from .turn import Turn
 log = logging.getLogger(__name__)
 
 Progress = Callable[[LoadProgress], None]
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class ChatSession:
@@ -96,6 +89,11 @@ class ChatSession:
         self._self_drafter_layer: int | None = None
         self._lookup_drafter: LookupDrafter | None = None
         self._composed: ComposedDrafter | None = None  # spec's lookup-first drafter, made on first use
+        # The draft model drafting on a core of its own while the target verifies
+        # (decode/ahead.py), for greedy spec turns where the load measured that it pays.
+        self._ahead: AheadDrafter | None = None
+        self._ahead_costs: AheadCosts | None = None
+        self._composed_ahead: ComposedDrafter | None = None
         # The draft head (--mode eagle), fed the target's features from its own passes.
         self.head_drafter = HeadDrafter(head, self.target_runner) if head is not None else None
         self._composed_head: ComposedDrafter | None = None
@@ -117,7 +115,7 @@ class ChatSession:
         self._unfinished = 0  # tokens at the end of the last reply whose text is not out yet
         self.turn = 0
         self.costs = Costs()
-        self._mode_costs: dict[Mode, Costs] = {}  # self-spec, lookup: see _costs_for
+        self._mode_costs: dict[tuple[Mode, bool], Costs] = {}  # self-spec, lookup: see _costs_for
         notes: list[str] = []
         if not self.has_template:
             notes.append(
@@ -202,6 +200,8 @@ class ChatSession:
             facts.append(f"target step {self.costs.target_step_ms:.1f} ms")
             facts += [f"verify K={k}: {v:.2f} steps" for k, v in sorted(self.costs.verify_at.items())]
             notes.append("measured: " + ", ".join(facts))
+        if self._ahead_costs is not None:
+            notes.append(self._ahead_costs.describe(self._ahead is not None))
         return Ready(
             summary="; ".join(parts),
             target=t,
@@ -221,9 +221,31 @@ class ChatSession:
         self.costs = measure_costs(self.target_runner, scratch, k, repeats)
         if isinstance(self.drafter, ModelDrafter):
             self.drafter.runner.steps_on_one_thread = self.costs.draft_one_thread is not None
+            self._ahead_costs = None
+            if self.target.device.type == "cpu" and torch.get_num_threads() > 1:
+                self._ahead_costs = measure_ahead(self.target_runner, scratch, self.costs, k, repeats)
+            forced = os.environ.get("SPECCHAT_AHEAD", "auto")
+            self.set_ahead(
+                forced == "on"
+                or (forced != "off" and self._ahead_costs is not None and self._ahead_costs.pays)
+            )
         self.tokens = []
         self.ready = self._make_ready()
         return self.costs
+
+    def set_ahead(self, on: bool) -> None:
+        """Whether greedy spec turns draft ahead on a core of their own (decode/ahead.py);
+        the load decides from what it measured, and this overrides it."""
+        if self._ahead is not None:
+            self._ahead.stop(self.tokens)
+        self._ahead = self._composed_ahead = None
+        if on and isinstance(self.drafter, ModelDrafter):
+            self._ahead = AheadDrafter(self.drafter)
+        self.ready = self._make_ready()
+
+    @property
+    def drafts_ahead(self) -> bool:
+        return self._ahead is not None
 
     def measure_head(self) -> Costs | None:
         """Time a draft-head step and the target's verify passes (decode/costs.py): the
@@ -235,28 +257,30 @@ class ChatSession:
             self.head_drafter.head, scratch, self.head_drafter.embed
         )
         costs = Costs(target_ms, head_ms, self.costs.verify_slope, verify)
-        self._mode_costs[Mode.EAGLE] = costs
+        self._mode_costs[(Mode.EAGLE, False)] = costs
         self._notes.append(
             f"measured: draft head step c={head_ms / target_ms:.3f} "
             f"({head_ms:.1f} ms, target step {target_ms:.1f} ms)"
         )
         return costs
 
-    def _costs_for(self, mode: Mode) -> Costs:
+    def _costs_for(self, mode: Mode, ahead: bool = False) -> Costs:
         """The step costs the controller of `mode` starts from and keeps learning into.
 
         The draft model's mode uses the measured costs; every other drafter
         has a draft cost of its own (a lookup costs next to nothing), learnt
         from its first rounds, and shares the target's step and verify cost.
+        A turn drafted ahead verifies on one thread with the draft beside it,
+        at the costs `measure_ahead` found, and keeps its own.
         """
+        base = self._ahead_costs.costs if ahead and self._ahead_costs is not None else self.costs
         if mode is Mode.SPEC:
-            return self.costs
-        costs = self._mode_costs.get(mode)
+            return base
+        key = (mode, base is not self.costs)
+        costs = self._mode_costs.get(key)
         if costs is None:
-            costs = Costs(
-                self.costs.target_step_ms, None, self.costs.verify_slope, dict(self.costs.verify_at)
-            )
-            self._mode_costs[mode] = costs
+            costs = Costs(base.target_step_ms, None, base.verify_slope, dict(base.verify_at))
+            self._mode_costs[key] = costs
         return costs
 
     # -- the ChatBackend interface -------------------------------------------
@@ -288,7 +312,7 @@ class ChatSession:
         self.tokens = []
         self._approx_from = None
         self.target_runner.reset()
-        for d in (*self._drafters(), self._composed, self._composed_head):
+        for d in (*self._drafters(), self._composed, self._composed_head, self._composed_ahead):
             if d is not None:
                 d.reset()
 
@@ -378,6 +402,12 @@ class ChatSession:
         if cfg.mode is Mode.SPEC:
             if self.drafter is None:
                 return None, "no draft model is loaded: plain decoding"
+            if self._ahead is not None and cfg.ahead and cfg.greedy:
+                if not cfg.compose:
+                    return self._ahead, None
+                if self._composed_ahead is None:
+                    self._composed_ahead = ComposedDrafter(self._lookup(), self._ahead)
+                return self._composed_ahead, None
             if cfg.compose:
                 if self._composed is None:
                     self._composed = ComposedDrafter(self._lookup(), self.drafter)
@@ -406,7 +436,9 @@ class ChatSession:
 
     def _drafters(self) -> tuple[Drafter | None, ...]:
         """Every drafter with state of its own (a composed one holds two of these)."""
-        return (self.drafter, self._self_drafter, self._lookup_drafter, self.head_drafter)
+        return (
+            self.drafter, self._self_drafter, self._lookup_drafter, self.head_drafter, self._ahead
+        )
 
     def _lookup(self) -> LookupDrafter:
         if self._lookup_drafter is None:
@@ -476,13 +508,14 @@ class ChatSession:
         """One reply: set up the turn, then rounds until a stop, then the reply's record."""
         turn = yield from self._begin(cfg, continuing)
         stop_reason = None
-        while stop_reason is None:
-            stop_reason = self._stop_before_round(turn, cancel)
-            if stop_reason is not None:
-                break
-            res, round_mode, reason = self._round(turn)
-            stop_reason = yield from self._emit(turn, res)
-            yield self._round_event(turn, res, round_mode, reason)
+        with ahead_of(turn.ahead, turn.seq):
+            while stop_reason is None:
+                stop_reason = self._stop_before_round(turn, cancel)
+                if stop_reason is not None:
+                    break
+                res, round_mode, reason = self._round(turn)
+                stop_reason = yield from self._emit(turn, res)
+                yield self._round_event(turn, res, round_mode, reason)
         yield from self._finish(turn, stop_reason, t_start)
 
     def _begin(self, cfg: DecodeConfig, continuing: bool) -> Generator[Event, None, Turn]:
@@ -524,14 +557,22 @@ class ChatSession:
             cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(4), "little")
         )
         composed = drafter if isinstance(drafter, ComposedDrafter) else None
+        ahead = self._ahead if self._ahead is not None and drafter in (
+            self._ahead, self._composed_ahead
+        ) else None
         return Turn(
             cfg=cfg,
             run_mode=run_mode,
             drafter=drafter,
             composed=composed,
             early_exit=early_exit,
-            controller=Controller(cfg, self._costs_for(run_mode)),
-            copier=Controller(cfg, self._costs_for(Mode.LOOKUP)) if composed else None,
+            controller=Controller(cfg, self._costs_for(run_mode, ahead is not None)),
+            copier=(
+                Controller(cfg, self._costs_for(Mode.LOOKUP, ahead is not None))
+                if composed
+                else None
+            ),
+            ahead=ahead,
             seq=self.tokens,
             earlier=earlier,
             continuing=continuing,
@@ -566,6 +607,8 @@ class ChatSession:
             # before the next round, untimed like any catch-up.
             first = plain_step(self.target_runner, seq, cfg, turn.generator)
             turn.tally.round(first, None)
+            if turn.ahead is not None:  # the draft reads the prompt beside the next steps
+                turn.ahead.start([*seq, first.tokens[0].token_id])
             return first, Mode.PLAIN, None
         if turn.composed is not None:
             drafter = turn.composed.model

@@ -10,6 +10,7 @@ import torch
 
 from ..config import SPECULATIVE_MODES, DecodeConfig, Mode
 from ..events import TokenEvent, TurnStats
+from .ahead import AheadDrafter
 from .compose import ComposedDrafter
 from .controller import Controller
 from .early_exit import EarlyExitStepper
@@ -34,6 +35,7 @@ class Turn:
     decoder: IncrementalDecoder
     reply: ReplyFilter[TokenEvent]
     generator: torch.Generator
+    ahead: AheadDrafter | None = None  # the draft model drafting on its own core, this turn
     tally: Tally = field(default_factory=lambda: Tally())
 
     @property

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..config import LOCAL_MODES, SPEC_ALONE, DecodeConfig, Mode, QuantMode
+from ..config import LOCAL_MODES, SPEC_ALONE, SPEC_SERIAL, DecodeConfig, Mode, QuantMode
 from ..errors import EngineError
 from ..events import Failed, Notice, RoundEvent, TokenEvent, TurnFinished, TurnStarted
 from ..model import native
@@ -37,7 +37,7 @@ except Exception:  # pragma: no cover - psutil is a dependency
 HF_GENERATE = "hf-generate"
 HF_ASSISTED = "hf-assisted"
 BASELINES = (HF_GENERATE, HF_ASSISTED)
-SESSION_ARMS = (*(m.value for m in LOCAL_MODES), SPEC_ALONE)
+SESSION_ARMS = (*(m.value for m in LOCAL_MODES), SPEC_ALONE, SPEC_SERIAL)
 # A served engine's arm (`bench --server URL`): the same prompts through the server, which
 # decodes as it was started to; it runs beside the local arms in the same interleaving.
 SERVER_ARM = "server"
@@ -405,6 +405,8 @@ def arm_config(arm: str, cfg: DecodeConfig) -> DecodeConfig:
     """The decoding settings of a session arm: a mode, or spec with the draft model alone."""
     if arm == SPEC_ALONE:
         return cfg.with_(mode=Mode.SPEC, compose=False)
+    if arm == SPEC_SERIAL:
+        return cfg.with_(mode=Mode.SPEC, ahead=False)
     return cfg.with_(mode=Mode(arm))
 
 

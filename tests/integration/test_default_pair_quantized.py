@@ -28,6 +28,15 @@ def test_greedy_speculative_equals_plain_with_the_default_quantization() -> None
     assert len(plain) == 32
     assert "is_palindrome" in p.stats.text
     assert s.stats.acceptance_rate is not None and s.stats.acceptance_rate > 0.5
+    # The draft ahead on a core of its own (engine/decode/ahead.py), whatever the load chose.
+    chose = session.drafts_ahead
+    session.set_ahead(True)
+    try:
+        ahead, a = reply(session, DecodeConfig(mode=Mode.SPEC, max_new_tokens=32))
+    finally:
+        session.set_ahead(chose)
+    assert ahead == plain
+    assert a.stats.acceptance_rate is not None and a.stats.acceptance_rate > 0.5
     print(
         f"\n{session.target.info.quant}: plain {p.stats.tokens_per_s:.2f} tok/s, "
         f"spec {s.stats.tokens_per_s:.2f} tok/s, acceptance {s.stats.acceptance_rate:.2f}"

@@ -62,6 +62,27 @@ def test_greedy_spec_equals_plain_on_real_weights(
         assert accepted / drafted > 0.2
 
 
+@pytest.mark.parametrize("compose", [True, False])
+def test_greedy_spec_drafted_ahead_equals_plain_on_real_weights(
+    stories: tuple, compose: bool
+) -> None:
+    """The draft on a thread of its own (engine/decode/ahead.py), over a conversation of
+    every prompt: token for token what plain decoding emits, drafts proposed and accepted."""
+    model, tok = stories
+    plain = ChatSession(loaded(model, tokenizer=tok))
+    ahead = ChatSession(
+        loaded(model, tokenizer=tok), loaded(layer_truncated(model, 4), "draft", tokenizer=tok)
+    )
+    ahead.set_ahead(True)
+    accepted = 0
+    for prompt in PROMPTS:
+        want, _ = run(plain, prompt, DecodeConfig(mode=Mode.PLAIN, max_new_tokens=48))
+        got, fin = run(ahead, prompt, DecodeConfig(mode=Mode.SPEC, compose=compose, max_new_tokens=48))
+        assert got == want, prompt
+        accepted += fin.stats.accepted
+    assert ahead._ahead is not None and ahead._ahead.drafted > 0 and accepted > 0
+
+
 @pytest.mark.parametrize("k", [3, None])
 def test_greedy_lookup_equals_plain_on_real_weights(stories: tuple, k: int | None) -> None:
     """Stories repeat names and phrases: lookup drafts get accepted, and the output stays plain's."""

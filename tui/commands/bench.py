@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specchat.engine.config import LOCAL_MODES, SPEC_ALONE
+from specchat.engine.config import LOCAL_MODES, SPEC_ALONE, SPEC_SERIAL
 
 from . import common
 
@@ -41,7 +41,9 @@ def add_parser(sub: Any) -> None:
         "--modes",
         default=ALL_MODES,
         help=f"comma-separated modes to run (default: {ALL_MODES}); "
-        f"{SPEC_ALONE}: spec with the draft model alone, without lookup first",
+        f"{SPEC_ALONE}: spec with the draft model alone, without lookup first; "
+        f"{SPEC_SERIAL}: spec drafting then verifying in turns, the draft never ahead on "
+        "a core of its own",
     )
     add_run_args(p)
     common.add_server_args(p)
@@ -245,10 +247,11 @@ def run(args: argparse.Namespace) -> int:
     if args.prompts is None:
         return error("--prompts is required", hint="e.g. --prompts prompts.jsonl")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in {x.value for x in LOCAL_MODES} | {SPEC_ALONE}]
+    bad = [m for m in modes if m not in {x.value for x in LOCAL_MODES} | {SPEC_ALONE, SPEC_SERIAL}]
     if bad:
         return error(
-            f"unknown mode(s) {', '.join(bad)}", hint=f"choose from {ALL_MODES},{SPEC_ALONE}"
+            f"unknown mode(s) {', '.join(bad)}",
+            hint=f"choose from {ALL_MODES},{SPEC_ALONE},{SPEC_SERIAL}",
         )
     if args.repeats < 1:
         return error("--repeats must be at least 1")

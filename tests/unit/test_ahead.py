@@ -1,0 +1,196 @@
+"""The draft running ahead on a core of its own (engine/decode/ahead.py): exact, aligned,
+stopped at every turn's end, failures reported, sampled turns left serial, and the load's
+choice made from what it predicts."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from specchat.engine.config import DecodeConfig, Mode
+from specchat.engine.decode import costs as costs_module
+from specchat.engine.decode.ahead import AheadDrafter, predict_ahead_ms
+from specchat.engine.decode.session import ChatSession
+from specchat.engine.events import Cancelled, Failed, RoundEvent, TokenEvent
+from tests.tinymodels import loaded, tiny_llama
+from tests.tinymodels import pair_session as make
+from tests.tinymodels import turn_finished as finished
+
+PROMPTS = ["hello", "Once upon a time", "the cat sat on the mat and"]
+
+
+@pytest.fixture(scope="module")
+def target() -> torch.nn.Module:
+    return tiny_llama(seed=0, layers=4, max_positions=256)
+
+
+def tokens_of(events: list[object]) -> list[int]:
+    return [e.token_id for e in events if isinstance(e, TokenEvent)]
+
+
+def ahead_session(target: torch.nn.Module, draft: torch.nn.Module | None = None) -> ChatSession:
+    session = (
+        make(target) if draft is None else ChatSession(loaded(target), loaded(draft, "draft"))
+    )
+    session.set_ahead(True)
+    assert session.drafts_ahead
+    return session
+
+
+@pytest.mark.parametrize("compose", [True, False])
+def test_greedy_spec_drafted_ahead_equals_plain_over_turns(
+    target: torch.nn.Module, compose: bool
+) -> None:
+    """Three turns of one conversation, the draft ahead, token for token as plain decoding;
+    the worker is gone after every turn and the thread count is back."""
+    threads = torch.get_num_threads()
+    ahead, plain = ahead_session(target), make(target)
+    for prompt in PROMPTS:
+        cfg = DecodeConfig(max_new_tokens=24, compose=compose)
+        got = list(ahead.stream(prompt, cfg))
+        want = list(plain.stream(prompt, cfg.with_(mode=Mode.PLAIN)))
+        assert tokens_of(got) == tokens_of(want)
+        assert ahead._ahead is not None and not ahead._ahead.running
+        assert torch.get_num_threads() == threads
+        assert ahead.tokens == plain.tokens
+    assert not [t for t in threading.enumerate() if t.name == "specchat-draft"]
+
+
+def test_a_draft_equal_to_the_target_has_every_draft_accepted(target: torch.nn.Module) -> None:
+    """The chain is aligned with the sequence it extends: a draft that is the target itself
+    proposes the target's own tokens, so every draft a round takes is accepted. (A chain
+    off by one position would have almost none accepted.)"""
+    session = ahead_session(target, copy.deepcopy(target))
+    events = list(session.stream("hello", DecodeConfig(max_new_tokens=40, compose=False)))
+    rounds = [e for e in events if isinstance(e, RoundEvent) and e.k]
+    assert rounds, "no round took a draft"
+    assert sum(e.accepted for e in rounds) == sum(e.k for e in rounds)
+    assert finished(events).stats.tokens == 40
+
+
+def test_a_refused_draft_voids_the_chain_after_it(target: torch.nn.Module) -> None:
+    """With a weaker draft some drafts are refused: what was drafted after them is dropped,
+    never proposed, and the reply is still plain decoding's."""
+    session = ahead_session(target)
+    events = list(session.stream("Once upon a time", DecodeConfig(max_new_tokens=40, compose=False)))
+    rounds = [e for e in events if isinstance(e, RoundEvent) and e.k]
+    assert any(e.accepted < e.k for e in rounds)
+    assert session._ahead is not None and session._ahead.voided > 0
+    plain = make(target)
+    assert tokens_of(events) == tokens_of(
+        list(plain.stream("Once upon a time", DecodeConfig(mode=Mode.PLAIN, max_new_tokens=40)))
+    )
+
+
+def test_cancel_stops_the_worker_and_the_next_turn_is_exact(target: torch.nn.Module) -> None:
+    session, plain = ahead_session(target), make(target)
+    cancel = threading.Event()
+    events = []
+    for e in session.stream("hello", DecodeConfig(max_new_tokens=40), cancel):
+        events.append(e)
+        if isinstance(e, RoundEvent) and e.round == 3:
+            cancel.set()
+    assert isinstance(events[-1], Cancelled)
+    assert session._ahead is not None and not session._ahead.running
+    # The cancelled reply stays in the conversation; plain decoding of the same one agrees.
+    plain._messages[:] = session._messages
+    plain.tokens = []
+    cfg = DecodeConfig(max_new_tokens=16)
+    assert tokens_of(list(session.stream("and then", cfg))) == tokens_of(
+        list(plain.stream("and then", cfg.with_(mode=Mode.PLAIN)))
+    )
+
+
+def test_a_failing_draft_becomes_a_message_and_the_session_goes_on(
+    target: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    session = ahead_session(target)
+    drafter = session._ahead
+    assert drafter is not None
+
+    def broken(seq: list[int]) -> torch.Tensor:
+        raise RuntimeError("draft weights went away")
+
+    monkeypatch.setattr(drafter, "_next_row", broken)
+    events = list(session.stream("hello", DecodeConfig(max_new_tokens=16, compose=False)))
+    failed = [e for e in events if isinstance(e, Failed)]
+    assert failed and "draft weights went away" in failed[0].message
+    assert not drafter.running
+    monkeypatch.undo()
+    plain = make(target)
+    cfg = DecodeConfig(max_new_tokens=12)
+    assert tokens_of(list(session.stream("hello", cfg))) == tokens_of(
+        list(plain.stream("hello", cfg.with_(mode=Mode.PLAIN)))
+    )
+
+
+def test_sampled_turns_draft_serially_and_reproduce_with_a_seed(target: torch.nn.Module) -> None:
+    """How many drafts a round takes ahead depends on timing, so sampled turns (a seed and a
+    fixed K give the same reply) never run ahead: they equal a serial session's."""
+    ahead, serial = ahead_session(target), make(target)
+    cfg = DecodeConfig(max_new_tokens=20, temperature=0.8, seed=7, k=2)
+    got = list(ahead.stream("hello", cfg))
+    assert ahead._ahead is not None and ahead._ahead.drafted == 0
+    assert tokens_of(got) == tokens_of(list(serial.stream("hello", cfg)))
+
+
+def test_the_ahead_flag_turns_it_off_per_turn(target: torch.nn.Module) -> None:
+    session = ahead_session(target)
+    list(session.stream("hello", DecodeConfig(max_new_tokens=12, ahead=False)))
+    assert session._ahead is not None and session._ahead.drafted == 0
+    list(session.stream("more", DecodeConfig(max_new_tokens=12)))
+    assert session._ahead.drafted > 0
+
+
+def test_the_drafter_refuses_sampled_proposals(target: torch.nn.Module) -> None:
+    session = make(target)
+    drafter = AheadDrafter(session.drafter)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="greedy"):
+        drafter.propose([1, 2, 3], 2, DecodeConfig(temperature=1.0), None)
+    assert not drafter.running
+
+
+def test_the_pipeline_prediction() -> None:
+    """Nothing accepted: a token a target step. A free draft and free verify rows: tokens
+    come as fast as the chain allows. Slower drafts and dearer rows cost more."""
+    flat = lambda k: 1.0  # noqa: E731
+    assert predict_ahead_ms(0.0, 40.0, flat, 10.0) == pytest.approx(40.0)
+    fast = predict_ahead_ms(1.0, 40.0, flat, 1e-3, k_max=4)
+    assert fast == pytest.approx(40.0 / 5, rel=0.01)  # four drafts and the next checked
+    at = [predict_ahead_ms(0.8, 40.0, flat, d) for d in (5.0, 15.0, 40.0)]
+    assert at[0] < at[1] < at[2]
+    dear = predict_ahead_ms(0.8, 40.0, lambda k: 1.0 + 0.2 * k, 15.0)
+    assert dear > at[1]
+    assert predict_ahead_ms(0.8, 40.0, flat, 15.0) == at[1]  # a fixed seed
+
+
+@pytest.mark.parametrize("forced", ["on", "off", "auto"])
+def test_the_load_decides_from_its_prediction_and_says_so(
+    target: torch.nn.Module, monkeypatch: pytest.MonkeyPatch, forced: str
+) -> None:
+    monkeypatch.setenv("SPECCHAT_AHEAD", forced)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        session = make(target)
+        session.measure_costs(k=2, repeats=1)
+    finally:
+        torch.set_num_threads(before)
+    figures = session._ahead_costs
+    assert figures is not None and figures.serial_ms > 0 and figures.ahead_ms > 0
+    want = {"on": True, "off": False, "auto": figures.pays}[forced]
+    assert session.drafts_ahead is want
+    note = next(n for n in session.ready.notes if "a token predicted" in n)
+    assert note.startswith("the draft runs ahead" if want else "the draft drafts, then")
+    assert ("SPECCHAT_AHEAD" in note) is (want != figures.pays)
+    assert session.tokens == [] and session.target_runner.cached == 0
+
+
+def test_figures_that_pay_choose_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert costs_module.AHEAD_GAIN < 1
+    figures = costs_module.AheadCosts(costs_module.Costs(40.0, 0.0), 40.0, 10.0, 30.0, 20.0)
+    assert figures.pays
+    assert not costs_module.AheadCosts(costs_module.Costs(40.0, 0.0), 40.0, 10.0, 30.0, 29.0).pays
