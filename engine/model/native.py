@@ -95,22 +95,33 @@ def w4a8_choice(requested: str = "auto", have: cpu.CpuFeatures | None = None) ->
 
 # One row is bound by reads: the AVX2 code, same bits (w4a8.cpp). From two rows up the VNNI
 # code wins or ties: 2-3-row verify blocks of the 1.5B ~10% faster on Zen 5, a tie on Zen 4
-# (docs/performance.md, step 23).
+# (docs/performance.md, step 23). A call on one thread keeps 2-3 rows on the AVX2 code: on a
+# Zen 5 a 2-row block of the 1.5B costs 1.18 steps there against 1.48 (step 24).
 W4A8_VNNI_MIN_ROWS = 2
+W4A8_VNNI_MIN_ROWS_ONE_THREAD = 4
 
 
-def w4a8_use(requested: str = "auto", vnni_min_rows: int = W4A8_VNNI_MIN_ROWS) -> str:
+def w4a8_use(
+    requested: str = "auto",
+    vnni_min_rows: int = W4A8_VNNI_MIN_ROWS,
+    vnni_min_rows_one_thread: int = W4A8_VNNI_MIN_ROWS_ONE_THREAD,
+) -> str:
     """Load the w4a8 kernel and make every later call take `requested`'s path; returns it.
-    On the VNNI path calls of fewer than `vnni_min_rows` rows run the AVX2 code.
-    (Loading takes $SPECCHAT_W4A8's path, auto where unset; tests call this to compare.)"""
+    On the VNNI path calls of fewer than `vnni_min_rows` rows run the AVX2 code (fewer than
+    `vnni_min_rows_one_thread` on one thread). (Loading takes $SPECCHAT_W4A8's path, auto
+    where unset; tests call this to compare.)"""
     load("w4a8")
     with _lock:
-        return _set_w4a8(requested, vnni_min_rows)
+        return _set_w4a8(requested, vnni_min_rows, vnni_min_rows_one_thread)
 
 
-def _set_w4a8(requested: str, vnni_min_rows: int = W4A8_VNNI_MIN_ROWS) -> str:
+def _set_w4a8(
+    requested: str,
+    vnni_min_rows: int = W4A8_VNNI_MIN_ROWS,
+    vnni_min_rows_one_thread: int = W4A8_VNNI_MIN_ROWS_ONE_THREAD,
+) -> str:
     path, why = w4a8_choice(requested)
-    torch.ops.specchat.w4a8_set_path(W4A8_PATHS[path], vnni_min_rows)
+    torch.ops.specchat.w4a8_set_path(W4A8_PATHS[path], vnni_min_rows, vnni_min_rows_one_thread)
     _w4a8_path.update(path=path, why=why)
     return path
 
@@ -130,7 +141,11 @@ def w4a8_describe() -> str | None:
     if "path" not in _w4a8_path:
         return None
     name = {"avx2": "AVX2", "avx512vnni": "AVX512-VNNI"}[_w4a8_path["path"]]
-    rows = f" for blocks of {W4A8_VNNI_MIN_ROWS}+ rows" if _w4a8_path["path"] == "avx512vnni" else ""
+    rows = (
+        f" for blocks of {W4A8_VNNI_MIN_ROWS}+ rows ({W4A8_VNNI_MIN_ROWS_ONE_THREAD}+ on one thread)"
+        if _w4a8_path["path"] == "avx512vnni"
+        else ""
+    )
     return f"w4a8 kernel: {name} path{rows} ({_w4a8_path['why']}; {W4A8_ENV}=avx2|avx512vnni|auto)"
 
 

@@ -162,9 +162,11 @@ void group_rows(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int64_
 #define SPECCHAT_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
 // 0: AVX2 (every CPU the kernel runs on), 1: AVX512-VNNI for calls of at least
-// g_vnni_min_rows activation rows. Set by w4a8_set_path.
+// g_vnni_min_rows activation rows (g_vnni_min_rows_one where the call runs on one thread).
+// Set by w4a8_set_path.
 std::atomic<int> g_path{0};
 std::atomic<int64_t> g_vnni_min_rows{2};
+std::atomic<int64_t> g_vnni_min_rows_one{4};
 
 // 4 activation bytes, repeated for each of the 16 rows of two groups (vpdpbusd folds it
 // into an embedded broadcast).
@@ -262,11 +264,14 @@ SPECCHAT_VNNI void pair_all_rows(const uint8_t* W, const uint16_t* D, const uint
 // two streams of a row-group pair read slower than one (Zen 4: 43 against 38 ms for the
 // 1.5B's layers), so fewer rows than min_rows take the AVX2 code: the same bits either way.
 // From 2 rows up VNNI ties (Zen 4) or wins (Zen 5: a 2-3-row block of the 1.5B ~10% faster).
-// Refuses VNNI on a CPU without it rather than fault on its first instruction.
-int64_t w4a8_set_path(int64_t path, int64_t min_rows) {
+// On one thread the AVX2 code keeps 2-3 rows (Zen 5: a 2-row block 1.18 against 1.48 steps,
+// 3 rows 1.45 against 1.61) and VNNI wins from 4 (5 rows: 1.65 against 2.40), hence
+// min_rows_one. Refuses VNNI on a CPU without it rather than fault on its first instruction.
+int64_t w4a8_set_path(int64_t path, int64_t min_rows, int64_t min_rows_one) {
   TORCH_CHECK(path == 0 || path == 1, "w4a8 path: 0 (AVX2) or 1 (AVX512-VNNI)");
-  TORCH_CHECK(min_rows >= 1, "w4a8 path: min_rows must be at least 1");
+  TORCH_CHECK(min_rows >= 1 && min_rows_one >= 1, "w4a8 path: min_rows must be at least 1");
   g_vnni_min_rows.store(min_rows);
+  g_vnni_min_rows_one.store(min_rows_one);
   if (path == 1) {
     __builtin_cpu_init();
     TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -274,6 +279,12 @@ int64_t w4a8_set_path(int64_t path, int64_t min_rows) {
                 "this CPU has no AVX512-VNNI (with AVX512 F, BW and VL)");
   }
   return g_path.exchange(static_cast<int>(path));
+}
+
+// Whether a call of M activation rows on this thread's torch thread count takes the VNNI code.
+bool w4a8_takes_vnni(int64_t M) {
+  return g_path.load(std::memory_order_relaxed) == 1 &&
+         M >= (at::get_num_threads() == 1 ? g_vnni_min_rows_one : g_vnni_min_rows).load();
 }
 
 // x [M, K] float32; packed [N/8, K/32, 128] uint8; scales, mins [N/8, K/32, 8] float16 -> [M, N]
@@ -308,7 +319,7 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   // share each: on a machine where another process holds a core for a while, the thread
   // that keeps running does the rest instead of waiting at the end for the stalled one.
   // The VNNI path takes row groups in pairs, so its chunks hold an even number of them.
-  const bool vnni = g_path.load(std::memory_order_relaxed) == 1 && M >= g_vnni_min_rows.load();
+  const bool vnni = w4a8_takes_vnni(M);
   int64_t chunk = std::max<int64_t>(1, 32768 / (nb * BLOCK_BYTES));
   if (vnni) chunk += chunk % 2;
   const int64_t chunks = (groups + chunk - 1) / chunk;
@@ -390,5 +401,6 @@ TORCH_LIBRARY(specchat, m) {
   m.def("w4a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, int N) -> Tensor",
         &w4a8_linear);
   m.def("w4a8_pack(Tensor weight) -> (Tensor, Tensor, Tensor)", &w4a8_pack);
-  m.def("w4a8_set_path(int path, int min_rows=2) -> int", &w4a8_set_path);
+  m.def("w4a8_set_path(int path, int min_rows=2, int min_rows_one=4) -> int", &w4a8_set_path);
+  m.def("w4a8_takes_vnni(int rows) -> bool", &w4a8_takes_vnni);
 }
