@@ -73,6 +73,10 @@ class AheadDrafter:
         self._given = 0  # len(seq) + drafts handed out by the last propose
         self._fed: list[int] = []  # what the draft's cache holds (the worker's own)
         self._threads_before: int | None = None
+        # Drafts a round waits for when fewer are ready (0: never waits). Waiting costs the
+        # target's core its time, so the engine does not; tests do, for rounds that do not
+        # depend on how fast each thread happened to run.
+        self.min_ready = 0
         self.drafted = 0  # drafts computed this turn (for the round's facts and the tests)
         self.voided = 0  # of those, drafts thrown away unread
 
@@ -131,6 +135,10 @@ class AheadDrafter:
         with self._cv:
             self._raise_failure()
             self._follow(seq)
+            want = min(k, self.min_ready, self.lead)
+            while len(self._chain) < want and self._error is None:
+                self._cv.wait()
+            self._raise_failure()
             n = min(k, len(self._chain))
             ids, rows = self._chain[:n], self._rows[:n]
             self._given = len(seq) + n
@@ -224,6 +232,7 @@ class AheadDrafter:
             with self._cv:
                 self._error = exc
                 self._held = True
+                self._cv.notify_all()
 
     @torch.inference_mode()
     def _next_row(self, seq: list[int]) -> Tensor:

@@ -85,6 +85,12 @@ class Controller:
             return Mode.PLAIN, 0
         return Mode.SPEC, self.k
 
+    def use_costs(self, costs: Costs) -> None:
+        """Price the next rounds with other costs (the draft ahead or serial), K re-planned."""
+        self.costs = costs
+        if self.adaptive:
+            self._replan()
+
     def take_reason(self) -> str | None:
         reason, self._pending_reason = self._pending_reason, None
         return reason

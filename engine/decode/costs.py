@@ -110,39 +110,58 @@ def measure_costs(target: ModelRunner, draft: ModelRunner, k: int = 4, repeats: 
     )
 
 
-# Whether the draft runs ahead on a core of its own (decode/ahead.py) is decided at load from
-# what both ways are predicted to cost a token at this acceptance (the default pair's on chat
-# and code prompts: 0.8-0.86), and only for a clear gain.
+# Whether the draft runs ahead on a core of its own (decode/ahead.py) is decided round by round
+# from what both ways are predicted to cost a token at the acceptance the turn measures, and
+# only for a clear gain (either way: hysteresis). Ready states it at this acceptance (the
+# default pair's on chat and code prompts: 0.8-0.86).
 AHEAD_ALPHA = 0.8
 AHEAD_GAIN = 0.95
+AHEAD_GRID = tuple(round(0.3 + 0.02 * i, 2) for i in range(35))  # α = 0.30 .. 0.98
 
 
 @dataclass(slots=True)
 class AheadCosts:
     """The target's passes on all threads but one while the draft steps on that one
-    (decode/ahead.py), and what a token is predicted to cost that way and the serial way."""
+    (decode/ahead.py), and what a token is predicted to cost that way and the serial way
+    at each acceptance of AHEAD_GRID: (α, serial ms, ahead ms)."""
 
-    costs: Costs  # what the controller of a turn drafted ahead starts from
+    costs: Costs  # what the controller of rounds drafted ahead starts from
     alone_ms: float  # the target's step alone, on every thread
     draft_ms: float  # the draft's step on its own thread, beside the target's passes
-    serial_ms: float  # predicted ms a token: draft, then verify (the controller's best K)
-    ahead_ms: float  # predicted ms a token: the draft ahead (ahead.predict_ahead_ms)
+    grid: tuple[tuple[float, float, float], ...]
+
+    def at(self, alpha: float) -> tuple[float, float]:
+        """(serial, ahead) ms a token predicted at the grid's acceptance nearest alpha."""
+        _, serial, ahead = min(self.grid, key=lambda row: abs(row[0] - alpha))
+        return serial, ahead
+
+    def prefers(self, alpha: float, now: bool) -> bool:
+        """Whether rounds at acceptance alpha should draft ahead, `now` being the current way:
+        a change needs a gain of 1 - AHEAD_GAIN, so noise in alpha does not flip it."""
+        serial, ahead = self.at(alpha)
+        return ahead < serial / AHEAD_GAIN if now else ahead < serial * AHEAD_GAIN
 
     @property
-    def pays(self) -> bool:
-        return self.ahead_ms < self.serial_ms * AHEAD_GAIN
+    def from_alpha(self) -> float | None:
+        """The least acceptance at which running ahead pays, None if none does."""
+        return next((a for a, serial, ahead in self.grid if ahead < serial * AHEAD_GAIN), None)
 
-    def describe(self, on: bool) -> str:
-        """What greedy spec turns do (`on`: the draft runs ahead) and the figures it chose by."""
+    def describe(self, way: str) -> str:
+        """What greedy spec turns do (`way`: auto, on or off) and the figures it chose by."""
         beside = self.costs.target_step_ms or 0.0
-        verdict = "the draft runs ahead on a core of its own" if on else (
-            "the draft drafts, then the target verifies"
-        )
-        if on != self.pays:
-            verdict += " (SPECCHAT_AHEAD)"
+        serial, ahead = self.at(AHEAD_ALPHA)
+        start = self.from_alpha
+        if way == "on":
+            verdict = "the draft runs ahead on a core of its own (SPECCHAT_AHEAD=on)"
+        elif way == "off" or start is None:
+            verdict = "the draft drafts, then the target verifies" + (
+                " (SPECCHAT_AHEAD=off)" if way == "off" else ""
+            )
+        else:
+            verdict = f"the draft runs ahead on a core of its own where acceptance is {start:.2f}+"
         return (
-            f"{verdict}: {self.ahead_ms:.1f} against {self.serial_ms:.1f} ms a token predicted "
-            f"at α={AHEAD_ALPHA}; beside the draft the target's step takes {beside:.1f} ms "
+            f"{verdict}: {ahead:.1f} against {serial:.1f} ms a token predicted at "
+            f"α={AHEAD_ALPHA}; beside the draft the target's step takes {beside:.1f} ms "
             f"({self.alone_ms:.1f} alone), verify K=1: {self.costs.verify_ratio(1):.2f}, "
             f"K=4: {self.costs.verify_ratio(4):.2f} steps; the draft's step {self.draft_ms:.1f} ms"
         )
@@ -209,11 +228,16 @@ def measure_ahead(
     draft_ms = statistics.median(settled)
     assert serial.target_step_ms is not None and serial.draft_step_ms is not None
     c = serial.draft_step_ms / serial.target_step_ms
-    serial_ms = serial.target_step_ms / max(
-        expected_speedup(AHEAD_ALPHA, j, c, serial.verify_ratio(j)) for j in range(1, 9)
+    grid = tuple(
+        (
+            alpha,
+            serial.target_step_ms
+            / max(expected_speedup(alpha, j, c, serial.verify_ratio(j)) for j in range(1, 9)),
+            predict_ahead_ms(alpha, step, beside.verify_ratio, draft_ms, k, tokens=1500),
+        )
+        for alpha in AHEAD_GRID
     )
-    ahead_ms = predict_ahead_ms(AHEAD_ALPHA, step, beside.verify_ratio, draft_ms, k)
-    return AheadCosts(beside, serial.target_step_ms, draft_ms, serial_ms, ahead_ms)
+    return AheadCosts(beside, serial.target_step_ms, draft_ms, grid)
 
 
 # The draft's steps move to one thread only for a clear gain: a wrong choice from a noisy

@@ -94,6 +94,7 @@ class ChatSession:
         self._ahead: AheadDrafter | None = None
         self._ahead_costs: AheadCosts | None = None
         self._composed_ahead: ComposedDrafter | None = None
+        self._ahead_way = "auto"
         # The draft head (--mode eagle), fed the target's features from its own passes.
         self.head_drafter = HeadDrafter(head, self.target_runner) if head is not None else None
         self._composed_head: ComposedDrafter | None = None
@@ -201,7 +202,7 @@ class ChatSession:
             facts += [f"verify K={k}: {v:.2f} steps" for k, v in sorted(self.costs.verify_at.items())]
             notes.append("measured: " + ", ".join(facts))
         if self._ahead_costs is not None:
-            notes.append(self._ahead_costs.describe(self._ahead is not None))
+            notes.append(self._ahead_costs.describe(self._ahead_way))
         return Ready(
             summary="; ".join(parts),
             target=t,
@@ -224,22 +225,26 @@ class ChatSession:
             self._ahead_costs = None
             if self.target.device.type == "cpu" and torch.get_num_threads() > 1:
                 self._ahead_costs = measure_ahead(self.target_runner, scratch, self.costs, k, repeats)
-            forced = os.environ.get("SPECCHAT_AHEAD", "auto")
-            self.set_ahead(
-                forced == "on"
-                or (forced != "off" and self._ahead_costs is not None and self._ahead_costs.pays)
-            )
+            self.set_ahead(os.environ.get("SPECCHAT_AHEAD", "auto"))
         self.tokens = []
         self.ready = self._make_ready()
         return self.costs
 
-    def set_ahead(self, on: bool) -> None:
-        """Whether greedy spec turns draft ahead on a core of their own (decode/ahead.py);
-        the load decides from what it measured, and this overrides it."""
+    def set_ahead(self, way: bool | str) -> None:
+        """Whether greedy spec turns draft ahead on a core of their own (decode/ahead.py):
+        "auto" (round by round, at the acceptance the turn measures, where the load's
+        figures say it pays at some acceptance), "on" (True: always) or "off" (False)."""
+        way = {True: "on", False: "off"}.get(way, way) if isinstance(way, bool) else way
+        if way not in ("auto", "on", "off"):
+            raise EngineError(
+                f"SPECCHAT_AHEAD={way!r} is none of auto, on, off", hint="unset it for auto"
+            )
         if self._ahead is not None:
             self._ahead.stop(self.tokens)
         self._ahead = self._composed_ahead = None
-        if on and isinstance(self.drafter, ModelDrafter):
+        self._ahead_way = way
+        pays = self._ahead_costs is not None and self._ahead_costs.from_alpha is not None
+        if (way == "on" or (way == "auto" and pays)) and isinstance(self.drafter, ModelDrafter):
             self._ahead = AheadDrafter(self.drafter)
         self.ready = self._make_ready()
 
@@ -403,16 +408,8 @@ class ChatSession:
             if self.drafter is None:
                 return None, "no draft model is loaded: plain decoding"
             if self._ahead is not None and cfg.ahead and cfg.greedy:
-                if not cfg.compose:
-                    return self._ahead, None
-                if self._composed_ahead is None:
-                    self._composed_ahead = ComposedDrafter(self._lookup(), self._ahead)
-                return self._composed_ahead, None
-            if cfg.compose:
-                if self._composed is None:
-                    self._composed = ComposedDrafter(self._lookup(), self.drafter)
-                return self._composed, None
-            return self.drafter, None
+                return self._spec_drafter(cfg, self._ahead), None
+            return self._spec_drafter(cfg, self.drafter), None
         if cfg.mode is Mode.SELF_SPEC:
             layer = cfg.exit_layer or max(1, self.target.num_layers // 4)
             if self._self_drafter is None or self._self_drafter_layer != layer:
@@ -433,6 +430,19 @@ class ChatSession:
                 return self._composed_head, None
             return self.head_drafter, None
         return None, None
+
+    def _spec_drafter(self, cfg: DecodeConfig, model: Drafter) -> Drafter:
+        """Spec's drafter over `model` (the draft, serial or ahead): composed with lookup
+        unless the turn asks for the model alone."""
+        if not cfg.compose:
+            return model
+        if model is self._ahead:
+            if self._composed_ahead is None:
+                self._composed_ahead = ComposedDrafter(self._lookup(), model)
+            return self._composed_ahead
+        if self._composed is None:
+            self._composed = ComposedDrafter(self._lookup(), model)
+        return self._composed
 
     def _drafters(self) -> tuple[Drafter | None, ...]:
         """Every drafter with state of its own (a composed one holds two of these)."""
@@ -560,6 +570,7 @@ class ChatSession:
         ahead = self._ahead if self._ahead is not None and drafter in (
             self._ahead, self._composed_ahead
         ) else None
+        serial = self._spec_drafter(cfg, self.drafter) if ahead and self.drafter else None
         return Turn(
             cfg=cfg,
             run_mode=run_mode,
@@ -573,6 +584,9 @@ class ChatSession:
                 else None
             ),
             ahead=ahead,
+            ahead_on=ahead is not None,
+            ahead_auto=ahead is not None and self._ahead_way == "auto",
+            serial=serial,
             seq=self.tokens,
             earlier=earlier,
             continuing=continuing,
@@ -599,6 +613,7 @@ class ChatSession:
         # Spec composed with lookup: a copy, where there is one, is priced by a
         # controller of its own (its drafts cost nothing and run long); the draft
         # model's rounds by the turn's controller.
+        switched = self._choose_way(turn) if turn.ahead_auto else None
         ctl, drafter = turn.controller, turn.drafter
         if turn.speculative and turn.tally.rounds == 0:
             # The first token comes from the target alone, so a speculative reply starts
@@ -607,7 +622,7 @@ class ChatSession:
             # before the next round, untimed like any catch-up.
             first = plain_step(self.target_runner, seq, cfg, turn.generator)
             turn.tally.round(first, None)
-            if turn.ahead is not None:  # the draft reads the prompt beside the next steps
+            if turn.ahead_on and turn.ahead is not None:  # it reads the prompt beside the next steps
                 turn.ahead.start([*seq, first.tokens[0].token_id])
             return first, Mode.PLAIN, None
         if turn.composed is not None:
@@ -639,9 +654,40 @@ class ChatSession:
             if turn.run_mode is not Mode.PLAIN:
                 ctl.observe_plain(res.verify_ms)
             round_mode = Mode.PLAIN
-        reason = ctl.take_reason() or reason
+        reason = ctl.take_reason() or reason or switched
         turn.tally.round(res, reason)
         return res, round_mode, reason
+
+    # Rounds between two changes of way (ahead or serial), so each is measured before the
+    # next choice; the first lets the draft read the prompt beside the first steps.
+    AHEAD_SWITCH_ROUNDS = 6
+
+    def _choose_way(self, turn: Turn) -> str | None:
+        """Draft ahead or serially for the next rounds, from the acceptance measured so far
+        and the load's prediction at it (costs.AheadCosts.prefers); says why on a change."""
+        figures, ahead = self._ahead_costs, turn.ahead
+        if figures is None or ahead is None or turn.tally.rounds < turn.switch_at:
+            return None
+        alpha = turn.controller.alpha
+        want = figures.prefers(alpha, turn.ahead_on)
+        if want == turn.ahead_on:
+            return None
+        serial_ms, ahead_ms = figures.at(alpha)
+        if want:
+            ahead.start(turn.seq)
+            drafter: Drafter | None = self._spec_drafter(turn.cfg, ahead)
+        else:
+            ahead.stop(turn.seq)
+            drafter = turn.serial
+        turn.ahead_on = want
+        turn.drafter = drafter
+        turn.composed = drafter if isinstance(drafter, ComposedDrafter) else None
+        turn.controller.use_costs(self._costs_for(turn.run_mode, want))
+        if turn.copier is not None:
+            turn.copier.use_costs(self._costs_for(Mode.LOOKUP, want))
+        turn.switch_at = turn.tally.rounds + self.AHEAD_SWITCH_ROUNDS
+        way = "the draft runs ahead on its own core" if want else "the draft drafts, then the target verifies"
+        return f"{way}: α={alpha:.2f}, {ahead_ms:.1f} against {serial_ms:.1f} ms a token predicted"
 
     def _emit(self, turn: Turn, res: RoundResult) -> Generator[Event, None, str | None]:
         """Append the round's tokens and stream their events; "eos" or "stop_string" if one ends

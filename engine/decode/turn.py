@@ -35,7 +35,14 @@ class Turn:
     decoder: IncrementalDecoder
     reply: ReplyFilter[TokenEvent]
     generator: torch.Generator
-    ahead: AheadDrafter | None = None  # the draft model drafting on its own core, this turn
+    # The draft model drafting on its own core, where this turn may (decode/ahead.py):
+    # whether it does now, whether the session chooses round by round, the serial drafter
+    # it gives way to, and the round before which the way stays as it is.
+    ahead: AheadDrafter | None = None
+    ahead_on: bool = False
+    ahead_auto: bool = False
+    serial: Drafter | None = None
+    switch_at: int = 6
     tally: Tally = field(default_factory=lambda: Tally())
 
     @property

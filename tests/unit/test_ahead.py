@@ -36,7 +36,8 @@ def ahead_session(target: torch.nn.Module, draft: torch.nn.Module | None = None)
         make(target) if draft is None else ChatSession(loaded(target), loaded(draft, "draft"))
     )
     session.set_ahead(True)
-    assert session.drafts_ahead
+    assert session._ahead is not None
+    session._ahead.min_ready = 2  # rounds that take drafts whatever the threads' timing
     return session
 
 
@@ -180,17 +181,76 @@ def test_the_load_decides_from_its_prediction_and_says_so(
     finally:
         torch.set_num_threads(before)
     figures = session._ahead_costs
-    assert figures is not None and figures.serial_ms > 0 and figures.ahead_ms > 0
-    want = {"on": True, "off": False, "auto": figures.pays}[forced]
+    assert figures is not None and len(figures.grid) == len(costs_module.AHEAD_GRID)
+    assert all(serial > 0 and ahead > 0 for _, serial, ahead in figures.grid)
+    pays = figures.from_alpha is not None
+    want = {"on": True, "off": False, "auto": pays}[forced]
     assert session.drafts_ahead is want
     note = next(n for n in session.ready.notes if "a token predicted" in n)
     assert note.startswith("the draft runs ahead" if want else "the draft drafts, then")
-    assert ("SPECCHAT_AHEAD" in note) is (want != figures.pays)
+    assert ("SPECCHAT_AHEAD" in note) is (forced != "auto")
     assert session.tokens == [] and session.target_runner.cached == 0
 
 
-def test_figures_that_pay_choose_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert costs_module.AHEAD_GAIN < 1
-    figures = costs_module.AheadCosts(costs_module.Costs(40.0, 0.0), 40.0, 10.0, 30.0, 20.0)
-    assert figures.pays
-    assert not costs_module.AheadCosts(costs_module.Costs(40.0, 0.0), 40.0, 10.0, 30.0, 29.0).pays
+def test_a_way_that_is_no_way_is_refused(target: torch.nn.Module) -> None:
+    from specchat.engine.errors import EngineError
+
+    with pytest.raises(EngineError, match="none of auto, on, off"):
+        make(target).set_ahead("sometimes")
+
+
+def grid(pays_from: float) -> tuple[tuple[float, float, float], ...]:
+    """Serial 30 ms a token everywhere; ahead 20 ms from `pays_from` on, 40 below."""
+    return tuple(
+        (a, 30.0, 20.0 if a >= pays_from else 40.0) for a in costs_module.AHEAD_GRID
+    )
+
+
+def test_the_choice_follows_acceptance_with_a_margin() -> None:
+    figures = costs_module.AheadCosts(costs_module.Costs(40.0, 0.0), 40.0, 10.0, grid(0.7))
+    assert figures.from_alpha == 0.7
+    assert figures.prefers(0.9, now=False) and not figures.prefers(0.5, now=True)
+    assert figures.at(0.71) == (30.0, 20.0)
+    close = costs_module.AheadCosts(
+        costs_module.Costs(40.0, 0.0), 40.0, 10.0,
+        tuple((a, 30.0, 29.0) for a in costs_module.AHEAD_GRID),
+    )
+    # 3% better is inside the margin: no change either way
+    assert not close.prefers(0.8, now=False) and close.prefers(0.8, now=True)
+    never = costs_module.AheadCosts(costs_module.Costs(40.0, 0.0), 40.0, 10.0, grid(2.0))
+    assert never.from_alpha is None
+
+
+def test_a_turn_changes_way_and_stays_exact(
+    target: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Auto: the way changes every few rounds (a choice that always wants the other way),
+    the worker starts and stops with it, the reasons say so, and the reply is plain's."""
+    session = make(target)
+    session._ahead_costs = costs_module.AheadCosts(
+        costs_module.Costs(40.0, 0.0, verify_at={1: 1.2}), 40.0, 10.0, grid(0.0)
+    )
+    session.set_ahead("auto")
+    assert session.drafts_ahead
+    monkeypatch.setattr(costs_module.AheadCosts, "prefers", lambda self, alpha, now: not now)
+    threads = torch.get_num_threads()
+    events = list(session.stream("Once upon a time", DecodeConfig(max_new_tokens=60)))
+    reasons = [e.fallback_reason for e in events if isinstance(e, RoundEvent) and e.fallback_reason]
+    assert any(r.startswith("the draft drafts, then") for r in reasons)
+    assert any(r.startswith("the draft runs ahead") for r in reasons)
+    assert session._ahead is not None and not session._ahead.running
+    assert torch.get_num_threads() == threads
+    plain = make(target)
+    assert tokens_of(events) == tokens_of(
+        list(plain.stream("Once upon a time", DecodeConfig(mode=Mode.PLAIN, max_new_tokens=60)))
+    )
+
+
+def test_figures_that_pay_nowhere_leave_auto_serial(target: torch.nn.Module) -> None:
+    session = make(target)
+    session._ahead_costs = costs_module.AheadCosts(
+        costs_module.Costs(40.0, 0.0), 40.0, 10.0, grid(2.0)
+    )
+    session.set_ahead("auto")
+    assert not session.drafts_ahead
+    assert any(n.startswith("the draft drafts, then") for n in session.ready.notes)
