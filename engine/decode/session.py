@@ -654,7 +654,7 @@ class ChatSession:
             if turn.run_mode is not Mode.PLAIN:
                 ctl.observe_plain(res.verify_ms)
             round_mode = Mode.PLAIN
-        reason = ctl.take_reason() or reason or switched
+        reason = "; ".join(r for r in (switched, ctl.take_reason() or reason) if r) or None
         turn.tally.round(res, reason)
         return res, round_mode, reason
 
