@@ -661,6 +661,12 @@ class ChatSession:
     # Rounds between two changes of way (ahead or serial), so each is measured before the
     # next choice; the first lets the draft read the prompt beside the first steps.
     AHEAD_SWITCH_ROUNDS = 6
+    # A stretch ahead this long that took fewer drafts than one in two rounds ends running
+    # ahead for the turn: the draft cannot keep up (a model so small that Python's turns,
+    # not its passes, set its pace), whatever the load's timings predicted. Twice the switch
+    # interval, so the prompt read at a turn's start (about five steps here) is not taken
+    # for it.
+    AHEAD_STARVED_ROUNDS = 12
 
     def _choose_way(self, turn: Turn) -> str | None:
         """Draft ahead or serially for the next rounds, from the acceptance measured so far
@@ -669,10 +675,18 @@ class ChatSession:
         if figures is None or ahead is None or turn.tally.rounds < turn.switch_at:
             return None
         alpha = turn.controller.alpha
-        want = figures.prefers(alpha, turn.ahead_on)
+        serial_ms, ahead_ms = figures.at(alpha)
+        rounds = turn.tally.rounds - turn.switched_at
+        starved = (
+            turn.ahead_on
+            and rounds >= self.AHEAD_STARVED_ROUNDS
+            and turn.tally.drafted - turn.drafted_at < rounds / 2
+        )
+        if starved:  # the draft does not keep up here, whatever the timings predicted
+            turn.ahead_refuted = True
+        want = not turn.ahead_refuted and figures.prefers(alpha, turn.ahead_on)
         if want == turn.ahead_on:
             return None
-        serial_ms, ahead_ms = figures.at(alpha)
         if want:
             ahead.start(turn.seq)
             drafter: Drafter | None = self._spec_drafter(turn.cfg, ahead)
@@ -686,6 +700,12 @@ class ChatSession:
         if turn.copier is not None:
             turn.copier.use_costs(self._costs_for(Mode.LOOKUP, want))
         turn.switch_at = turn.tally.rounds + self.AHEAD_SWITCH_ROUNDS
+        turn.switched_at, turn.drafted_at = turn.tally.rounds, turn.tally.drafted
+        if starved:
+            return (
+                f"the draft drafts, then the target verifies: ahead, {rounds} rounds took "
+                "fewer than one draft in two (the draft does not keep up on this machine)"
+            )
         way = "the draft runs ahead on its own core" if want else "the draft drafts, then the target verifies"
         return f"{way}: α={alpha:.2f}, {ahead_ms:.1f} against {serial_ms:.1f} ms a token predicted"
 

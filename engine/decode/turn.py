@@ -43,6 +43,9 @@ class Turn:
     ahead_auto: bool = False
     serial: Drafter | None = None
     switch_at: int = 6
+    switched_at: int = 0  # the round of the last change of way, and the drafts tallied then
+    drafted_at: int = 0
+    ahead_refuted: bool = False  # running ahead starved this turn: serial to its end
     tally: Tally = field(default_factory=lambda: Tally())
 
     @property

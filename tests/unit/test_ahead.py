@@ -254,3 +254,36 @@ def test_figures_that_pay_nowhere_leave_auto_serial(target: torch.nn.Module) -> 
     session.set_ahead("auto")
     assert not session.drafts_ahead
     assert any(n.startswith("the draft drafts, then") for n in session.ready.notes)
+
+
+def test_a_draft_that_cannot_keep_up_ends_running_ahead_for_the_turn(
+    target: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Figures that say ahead pays everywhere, a draft too slow to have anything ready:
+    after AHEAD_STARVED_ROUNDS rounds the turn goes serial for good, says why, stays exact."""
+    import time
+
+    session = make(target)
+    session._ahead_costs = costs_module.AheadCosts(
+        costs_module.Costs(40.0, 0.0, verify_at={1: 1.2}), 40.0, 10.0, grid(0.0)
+    )
+    session.set_ahead("auto")
+    drafter = session._ahead
+    assert drafter is not None
+    next_row = drafter._next_row
+
+    def slow(seq: list[int]) -> torch.Tensor:
+        time.sleep(0.5)
+        return next_row(seq)
+
+    monkeypatch.setattr(drafter, "_next_row", slow)
+    events = list(session.stream("Once upon a time", DecodeConfig(max_new_tokens=40)))
+    reasons = [e.fallback_reason for e in events if isinstance(e, RoundEvent) and e.fallback_reason]
+    assert any("does not keep up" in r for r in reasons), reasons
+    assert not any(r.startswith("the draft runs ahead") for r in reasons)
+    rounds = [e for e in events if isinstance(e, RoundEvent)]
+    assert sum(e.k for e in rounds[ChatSession.AHEAD_STARVED_ROUNDS + 1 :]) > 0  # serial drafts
+    plain = make(target)
+    assert tokens_of(events) == tokens_of(
+        list(plain.stream("Once upon a time", DecodeConfig(mode=Mode.PLAIN, max_new_tokens=40)))
+    )
