@@ -19,6 +19,7 @@ import torch
 from ..metrics import expected_speedup
 from ..model.eagle import EagleHead, HeadCache
 from ..model.runner import ModelRunner
+from .ahead import predict_ahead_ms
 
 
 @dataclass(slots=True)
@@ -52,6 +53,32 @@ class Costs:
         return v_below + (self.verify_at[above] - v_below) * (k - below) / (above - below)
 
 
+SCRATCH = [int(i) % 64 + 3 for i in range(24)]  # the tokens costs are timed after
+
+
+def pass_timer(runner: ModelRunner, repeats: int) -> Callable[[int], float]:
+    """Median ms (after a warm-up) of `repeats` passes over n new tokens after SCRATCH[:-1],
+    which the runner prefills once here."""
+    runner.reset()
+    runner.prefill(SCRATCH)  # caches SCRATCH[:-1]
+    base = runner.cached
+
+    def timed(n_new: int) -> float:
+        runner.crop_to(base)
+        start = time.perf_counter()
+        runner.feed(SCRATCH[-1:] * n_new, keep=n_new)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+        return (time.perf_counter() - start) * 1e3
+
+    def median(n_new: int) -> float:
+        timed(n_new)  # warm-up
+        values = sorted(timed(n_new) for _ in range(repeats))
+        return values[len(values) // 2]
+
+    return median
+
+
 def measure_costs(target: ModelRunner, draft: ModelRunner, k: int = 4, repeats: int = 3) -> Costs:
     """Time one target step, verify passes of 2 and k+1 tokens, and one draft step (medians of
     `repeats` after a warm-up, each model prefilled once). Leaves both caches empty.
@@ -59,28 +86,8 @@ def measure_costs(target: ModelRunner, draft: ModelRunner, k: int = 4, repeats: 
     On a CPU with several threads the draft's step is timed on one thread too, in turns
     with all of them; `draft_one_thread` says when one thread was clearly faster (the
     caller then sets the draft runner's `steps_on_one_thread`)."""
-    seq = [int(i) % 64 + 3 for i in range(24)]
-
     def timer(runner: ModelRunner) -> Callable[[int], float]:
-        """Median ms of passes over n new tokens after seq[:-1], prefilled once."""
-        runner.reset()
-        runner.prefill(seq)  # caches seq[:-1]
-        base = runner.cached
-
-        def timed(n_new: int) -> float:
-            runner.crop_to(base)
-            start = time.perf_counter()
-            runner.feed(seq[-1:] * n_new, keep=n_new)
-            if runner.device.type == "cuda":
-                torch.cuda.synchronize(runner.device)
-            return (time.perf_counter() - start) * 1e3
-
-        def median(n_new: int) -> float:
-            timed(n_new)  # warm-up
-            values = sorted(timed(n_new) for _ in range(repeats))
-            return values[len(values) // 2]
-
-        return median
+        return pass_timer(runner, repeats)
 
     on_target = timer(target)
     step = on_target(1)
@@ -174,44 +181,29 @@ def measure_ahead(
     thread runs draft steps without pause, as a turn drafted ahead runs them, and predict
     both ways' cost a token from these and the `serial` costs. Leaves both caches empty and
     this thread's torch threads as they were."""
-    from .ahead import predict_ahead_ms
-
-    seq = [int(i) % 64 + 3 for i in range(24)]
     stop = threading.Event()
     draft_times: list[float] = []
 
     def draft_steps() -> None:
         torch.set_num_threads(1)
         draft.reset()
-        draft.prefill(seq)
+        draft.prefill(SCRATCH)
         start = draft.cached
         while not stop.is_set():
             draft.crop_to(start)
             t0 = time.perf_counter()
-            draft.feed(seq[-1:], keep=1)
+            draft.feed(SCRATCH[-1:], keep=1)
             draft_times.append((time.perf_counter() - t0) * 1e3)
 
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, before - 1))
-    target.reset()
-    target.prefill(seq)
-    base = target.cached
-
-    def timed(n_new: int) -> float:
-        target.crop_to(base)
-        t0 = time.perf_counter()
-        target.feed(seq[-1:] * n_new, keep=n_new)
-        return (time.perf_counter() - t0) * 1e3
-
     helper = threading.Thread(target=draft_steps, name="specchat-measure-draft", daemon=True)
     helper.start()
     try:
-        for n in (1, 2, k + 1):  # warm-up, the draft running
-            timed(n)
         # Two streams on one memory bus time less steadily than one: at least five of each.
-        times = max(repeats, 5)
-        step = statistics.median(timed(1) for _ in range(times))
-        verify = {j: statistics.median(timed(j + 1) for _ in range(times)) / step for j in (1, k)}
+        median = pass_timer(target, max(repeats, 5))
+        step = median(1)
+        verify = {j: median(j + 1) / step for j in (1, k)}
     finally:
         stop.set()
         helper.join()
