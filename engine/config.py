@@ -49,6 +49,11 @@ class QuantMode(StrEnum):
     INT4 = "int4"  # weight-only int4 (grouped scales), CPU
     W8A8 = "w8a8"  # int8 weights and per-token int8 activations (fbgemm), x86 CPUs
     W4A8 = "w4a8"  # int4 weights (groups of 32), int8 activations: own AVX2 kernel, x86 CPUs
+    W4A8_G128 = "w4a8-g128"  # the same kernel, a scale and minimum per 128 weights: 15% fewer bytes
+
+
+W4A8_MODES = frozenset({QuantMode.W4A8, QuantMode.W4A8_G128})  # run by the w4a8 kernel
+W4A8_GROUPS = {QuantMode.W4A8: 32, QuantMode.W4A8_G128: 128}  # inputs sharing a weight scale
 
 
 @dataclass(frozen=True, slots=True)

@@ -117,6 +117,92 @@ def record(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps(out))
 
 
+def fake_quant(w: torch.Tensor, bits: int, group: int, search: bool) -> torch.Tensor:
+    """w rounded to `bits` per weight, a scale and minimum per `group` inputs, back in float.
+    With `search`, each group's range is shrunk where that lowers its squared error."""
+    out, inp = w.shape
+    g = w.float().reshape(out, inp // group, group)
+    top = (1 << bits) - 1
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    best, best_err = None, None
+    for shrink in torch.linspace(1.0, 0.55, 10).tolist() if search else [1.0]:
+        mid = (lo + hi) / 2
+        a, b = mid + (lo - mid) * shrink, mid + (hi - mid) * shrink
+        scale = ((b - a) / top).clamp(min=1e-8)
+        deq = ((g - a) / scale).round().clamp(0, top) * scale + a
+        err = (deq - g).pow(2).sum(-1, keepdim=True)
+        if best is None:
+            best, best_err = deq, err
+        else:
+            better = err < best_err
+            best = torch.where(better, deq, best)
+            best_err = torch.minimum(err, best_err)
+    assert best is not None
+    return best.reshape(out, inp).to(w.dtype)
+
+
+def rescore(args: argparse.Namespace) -> None:
+    """The trace's draft matches again, for the draft's float weights rounded per layer kind."""
+    from torch import nn
+
+    from specchat.engine.weights.loading import load_model
+
+    trace = json.loads(Path(args.trace).read_text())
+    lm = load_model(
+        ModelSpec(trace["draft"], QuantMode.NONE, dtype="float32", device="cpu"), "draft"
+    )
+    model = lm.model
+    head = model.get_output_embeddings()
+    model.lm_head = head = nn.Linear(head.in_features, head.out_features, bias=False)
+    head.weight = nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+    original = {
+        n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)
+    }
+    print(
+        f"trace {args.trace}: recorded match {sum(sum(p['match']) for p in trace['prompts']) / sum(len(p['match']) for p in trace['prompts']):.3f} ({trace['quant']} draft)"
+    )
+    print(
+        "| config | bits a weight (codes + scales) | argmax = target | per reply |\n|---|---|---|---|"
+    )
+    for spec in args.configs.split(","):
+        # e.g. 'mlp=2g64s,attn=4g32,head=4g32': kind=bits 'g' group ['s' search]; 'all=...' for every kind
+        rule = dict(part.split("=") for part in spec.split("+"))
+        total_bits = total_n = 0
+        with torch.inference_mode():
+            for name, mod in model.named_modules():
+                if not isinstance(mod, nn.Linear):
+                    continue
+                kind = "head" if mod is head else "mlp" if "mlp" in name else "attn"
+                how = rule.get(kind, rule.get("all", "32"))
+                w = original[name]
+                if how == "32":
+                    mod.weight.copy_(w)
+                    total_bits += 16 * w.numel()
+                else:
+                    bits, rest = how.split("g")
+                    search = rest.endswith("s")
+                    group = int(rest.rstrip("s"))
+                    mod.weight.copy_(fake_quant(w, int(bits), group, search))
+                    total_bits += (int(bits) + 32 / group) * w.numel()
+                total_n += w.numel()
+            matches = []
+            for p in trace["prompts"]:
+                ids, n = p["ids"], p["prompt_tokens"]
+                logits = model(torch.tensor([ids])).logits[0, n - 1 : -1]
+                matches.append((logits.argmax(-1) == torch.tensor(ids[n:])).int().tolist())
+        rate = sum(map(sum, matches)) / sum(map(len, matches))
+        per = " ".join(f"{sum(m) / len(m):.2f}" for m in matches)
+        print(f"| {spec} | {total_bits / total_n:.2f} | {rate:.3f} | {per} |", flush=True)
+        if args.out:
+            out = dict(
+                trace,
+                prompts=[dict(p, match=m) for p, m in zip(trace["prompts"], matches, strict=True)],
+            )
+            Path(args.out.format(spec=spec.replace("=", "").replace("+", "_"))).write_text(
+                json.dumps(out)
+            )
+
+
 def feed_cost(feed: dict[int, float], n: int) -> float:
     """Steps for the draft to read n tokens in one pass, from the trace's measured feeds."""
     pts = sorted(feed)
@@ -396,8 +482,23 @@ def main() -> None:
         action="store_true",
         help="price spec composed with prompt lookup against the draft model and the lookup alone",
     )
+    res = sub.add_parser(
+        "rescore", help="the draft's matches with its weights rounded to fewer bits"
+    )
+    res.add_argument("trace")
+    res.add_argument(
+        "--configs",
+        default="all=4g32,all=3g32s,all=2g32s",
+        help="comma-separated; each KIND=BITSgGROUP[s] joined by '+' (kinds: all, mlp, attn, head; s: range search)",
+    )
+    res.add_argument(
+        "--out", default="", help="write each config's trace here ({spec} is replaced)"
+    )
+    res.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    record(args) if args.cmd == "record" else replay(args)
+    if args.cmd == "rescore":
+        torch.set_num_threads(args.threads)
+    {"record": record, "replay": replay, "rescore": rescore}[args.cmd](args)
 
 
 if __name__ == "__main__":

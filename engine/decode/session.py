@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import DecodeConfig, Mode, ModelSpec, QuantMode
+from ..config import W4A8_MODES, DecodeConfig, Mode, ModelSpec
 from ..errors import ContextOverflowError, EngineError
 from ..events import (
     Cancelled,
@@ -184,7 +184,7 @@ class ChatSession:
         notes = list(self._notes)
         runner = self.target_runner
         notes.append(f"greedy exactness: {runner.exactness.reason}")
-        if QuantMode.W4A8.value in (t.quant, self.draft.info.quant if self.draft else None):
+        if {t.quant, self.draft.info.quant if self.draft else None} & {m.value for m in W4A8_MODES}:
             kernel = native.w4a8_describe()  # which instruction set runs it, and why
             if kernel:
                 notes.append(kernel)

@@ -69,7 +69,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from ..config import QuantMode
+from ..config import W4A8_GROUPS, QuantMode
 from ..errors import QuantizationError
 from . import cpu
 from .qlinear import (
@@ -340,11 +340,31 @@ def _check_w8a8(config: PretrainedConfig, device: torch.device, lm_head: bool, g
         raise QuantizationError(f"w8a8 needs fbgemm: {reason}", hint="use int8 or int4")
 
 
-def _check_w4a8(config: PretrainedConfig, device: torch.device, lm_head: bool, group_size: int) -> None:
-    _require_in_multiple(QuantMode.W4A8, config, lm_head, W4A8_IN_MULTIPLE, hint="use w8a8 or int8")
-    from . import native
+def _check_w4a8(mode: QuantMode) -> Check:
+    multiple = max(W4A8_IN_MULTIPLE, W4A8_GROUPS[mode])
+    hint = "use w4a8 or w8a8" if mode is not QuantMode.W4A8 else "use w8a8 or int8"
 
-    native.load(NATIVE_KERNEL[QuantMode.W4A8])  # compiles once per machine; raises with the reason
+    def check(config: PretrainedConfig, device: torch.device, lm_head: bool, group_size: int) -> None:
+        _require_in_multiple(mode, config, lm_head, multiple, hint=hint)
+        from . import native
+
+        native.load(NATIVE_KERNEL[mode])  # compiles once per machine; raises with the reason
+
+    return check
+
+
+def _w4a8_handler(mode: QuantMode) -> Handler:
+    group = W4A8_GROUPS[mode]
+    return Handler(
+        mode,
+        CPU_ONLY,
+        _check_w4a8(mode),
+        apply=_swap(
+            lambda m, g: W4A8Linear(m, group=group),
+            shared=True,
+            stack=lambda linears: W4A8Linear.stacked(linears, group),
+        ),
+    )
 
 
 Make = Callable[[nn.Linear, int], nn.Module]  # (linear, group size) -> its quantized module
@@ -415,7 +435,7 @@ def _linears(model: nn.Module, lm_head: bool) -> Iterator[tuple[nn.Module, str, 
     return iter(found)
 
 
-NATIVE_KERNEL = {QuantMode.W4A8: "w4a8"}  # modes that compile a kernel of engine/model/csrc on first use
+NATIVE_KERNEL = {QuantMode.W4A8: "w4a8", QuantMode.W4A8_G128: "w4a8"}  # modes that compile a kernel of engine/model/csrc on first use
 
 CPU_ONLY = frozenset({"cpu"})
 ANY_DEVICE = frozenset({"cpu", "cuda"})
@@ -443,12 +463,8 @@ HANDLERS: dict[QuantMode, Handler] = {
         Handler(
             QuantMode.W8A8, CPU_ONLY, _check_w8a8, apply=_swap(lambda m, g: Int8DynamicLinear(m), shared=True)
         ),
-        Handler(
-            QuantMode.W4A8,
-            CPU_ONLY,
-            _check_w4a8,
-            apply=_swap(lambda m, g: W4A8Linear(m), shared=True, stack=W4A8Linear.stacked),
-        ),
+        _w4a8_handler(QuantMode.W4A8),
+        _w4a8_handler(QuantMode.W4A8_G128),
     )
 }
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..config import LOCAL_MODES, SPEC_ALONE, SPEC_SERIAL, DecodeConfig, Mode, QuantMode
+from ..config import LOCAL_MODES, SPEC_ALONE, SPEC_SERIAL, W4A8_MODES, DecodeConfig, Mode, QuantMode
 from ..errors import EngineError
 from ..events import Failed, Notice, RoundEvent, TokenEvent, TurnFinished, TurnStarted
 from ..model import native
@@ -127,7 +127,7 @@ def parse_config_spec(text: str, dtype: str = "auto") -> ConfigSpec:
             raise _config_error(text, f"unknown {role} quantization {part!r}")
     target = parts[0]
     draft = parts[1] if len(parts) == 2 else target
-    if tilde and not {"w4a8", "auto"} & {target, draft}:
+    if tilde and not {"auto", *(m.value for m in W4A8_MODES)} & {target, draft}:
         raise _config_error(text, f"~{path} chooses the w4a8 kernel's path, and no model is w4a8")
     return ConfigSpec(label, target, draft, dt, vocab, path or None)
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from ..config import QuantMode
+from ..config import W4A8_GROUPS, W4A8_MODES, QuantMode
 from ..errors import OutOfMemoryError
 from ..model.quant import (
     BNB_BLOCK_SIZE,
@@ -202,9 +202,9 @@ def _quantized_bytes(mode: QuantMode, s: LinearShape, group_size: int) -> int:
         return n * k + 2 * n
     if mode is QuantMode.W8A8:
         return n * k + 12 * n  # fbgemm's packed copy (+ scales, zero points) and row sums
-    if mode is QuantMode.W4A8:  # codes, float16 scale and minimum per 32, rows padded to 4
-        rows = -(-n // 4) * 4
-        return rows * k // 2 + rows * (k // 32) * 4
+    if mode in W4A8_MODES:  # codes, float16 scale and minimum per group, rows padded to 8
+        rows = -(-n // 8) * 8
+        return rows * k // 2 + rows * (k // W4A8_GROUPS[mode]) * 4
     if mode is QuantMode.INT4:
         return n * k // 2 + (k // group_size) * n * 2 * 2
     raise AssertionError(mode)

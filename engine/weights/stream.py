@@ -30,7 +30,7 @@ from ..config import QuantMode
 from ..model import quant
 
 STREAMED_ARCHITECTURES = ("llama", "qwen2")
-POST_LOAD = (QuantMode.INT8, QuantMode.INT4, QuantMode.W8A8, QuantMode.W4A8)
+POST_LOAD = (QuantMode.INT8, QuantMode.INT4, QuantMode.W8A8, QuantMode.W4A8, QuantMode.W4A8_G128)
 
 Progress = Callable[[int, int], None]  # (pieces done, pieces in all)
 

@@ -32,6 +32,7 @@ TOLERANCE = {
     QuantMode.BNB_NF4: 0.35,
     QuantMode.W8A8: 0.063,
     QuantMode.W4A8: 0.32,
+    QuantMode.W4A8_G128: 0.32,
 }
 PROMPT = [[1, 17, 42, 99, 7, 123]]
 NEW_TOKENS = 6
@@ -63,18 +64,29 @@ def tiny_model(config: LlamaConfig, seed: int = 0) -> LlamaForCausalLM:
     return model
 
 
+# Modes whose groups span more inputs than the tiny model's 64 get one with inputs of 128.
+WIDE = {QuantMode.W4A8_G128: dict(hidden=128, intermediate=256)}
+
+
 @pytest.fixture(scope="module")
-def float_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tiny_model(tiny_config()).save_pretrained(path)
-    return path
+def float_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    dirs = {}
+    for name, shape in (("tiny", {}), ("wide", dict(hidden=128, intermediate=256))):
+        dirs[name] = tmp_path_factory.mktemp(f"{name}-llama")
+        tiny_model(tiny_config(**shape)).save_pretrained(dirs[name])  # type: ignore[arg-type]
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def float_dir(float_dirs: dict[str, Path]) -> Path:
+    return float_dirs["tiny"]
 
 
 def skip_unless_it_runs_here(mode: QuantMode) -> None:
     """Skip, with the product's own reason, a mode this machine cannot run (fbgemm needs an
     x86 AVX2 CPU; the w4a8 kernel also needs a compiler: checking builds it once)."""
     try:
-        quant.check(mode, tiny_config(), CPU)
+        quant.check(mode, tiny_config(**WIDE.get(mode, {})), CPU)  # type: ignore[arg-type]
     except QuantizationError as exc:
         pytest.skip(f"{mode} does not run here ({cpu.features().summary()}): {exc.message}")
 
@@ -108,8 +120,9 @@ def greedy(model: nn.Module, n: int = NEW_TOKENS) -> tuple[list[int], torch.Tens
 
 
 @pytest.mark.parametrize("mode", list(QuantMode))
-def test_mode_loads_decodes_and_stays_close(float_dir: Path, mode: QuantMode) -> None:
+def test_mode_loads_decodes_and_stays_close(float_dirs: dict[str, Path], mode: QuantMode) -> None:
     skip_unless_it_runs_here(mode)
+    float_dir = float_dirs["wide" if mode in WIDE else "tiny"]
     reference = LlamaForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
     model = load(float_dir, mode)
     # Decode the float model's own tokens, so both see the same sequence.
@@ -127,10 +140,20 @@ def test_mode_loads_decodes_and_stays_close(float_dir: Path, mode: QuantMode) ->
     assert cache.get_seq_length() == ids.shape[1] - 3
     with torch.no_grad():
         again = model(ids[:, -3:], cache=cache, use_cache=True).logits[0].float()
-    torch.testing.assert_close(again, full[-3:], atol=1e-3, rtol=1e-3)
+    if mode in (QuantMode.W8A8, QuantMode.W4A8, QuantMode.W4A8_G128):
+        # transformers' attention sums 3 query rows in another order than 12, and a last-bit
+        # difference can move an activation across an int8 rounding step: one step of one
+        # block (w4a8-g128 here: 0.04 of logits up to 4.1). A cache that did not roll back
+        # would be off by the whole logits. (The engine's own attention is row-wise exact.)
+        rel = float((again - full[-3:]).norm() / full[-3:].norm())
+        assert rel < 0.02, f"{mode}: the cropped cache's logits are {rel:.4f} off"
+    else:
+        torch.testing.assert_close(again, full[-3:], atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("mode", [QuantMode.INT8, QuantMode.INT4, QuantMode.W8A8, QuantMode.W4A8])
+@pytest.mark.parametrize(
+    "mode", [QuantMode.INT8, QuantMode.INT4, QuantMode.W8A8, QuantMode.W4A8, QuantMode.W4A8_G128]
+)
 def test_quantized_linears_are_batch_invariant(mode: QuantMode) -> None:
     """A token's output must not depend on the other tokens of the block (verify vs decode).
 

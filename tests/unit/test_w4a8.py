@@ -34,14 +34,16 @@ def built() -> None:
 
 
 needs_kernel = pytest.mark.usefixtures("built")
+GROUPS = sorted(qlinear.W4A8_SHRINKS)  # the weight groups the kernel reads: 32, 64, 128
 
 
-def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def reference(x: torch.Tensor, weight: torch.Tensor, group: int = 32) -> torch.Tensor:
     """What the kernel computes, in float64: dequantized int4 weights times int8 activations."""
-    codes, scales, mins = qlinear.quantize_w4a8(weight)
+    codes, scales, mins = qlinear.quantize_w4a8(weight, group)
     n, k = weight.shape
-    g = qlinear.W4A8_GROUP
-    w = codes.double().reshape(n, k // g, g) * scales.double()[..., None] + mins.double()[..., None]
+    w = codes.double().reshape(n, k // group, group) * scales.double()[..., None]
+    w = w + mins.double()[..., None]
+    g = qlinear.W4A8_GROUP  # activations: one scale per 32 values whatever the weights' group
     xb = x.double().reshape(x.shape[0], k // g, g)
     amax = xb.abs().amax(dim=-1, keepdim=True)
     d = (amax.float() / 127).double()  # the kernel's scale: float32 amax / 127
@@ -59,8 +61,8 @@ def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return xa @ w.reshape(n, k).T
 
 
-def kernel(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    packed, scales, mins = qlinear.pack_w4a8(weight)
+def kernel(x: torch.Tensor, weight: torch.Tensor, group: int = 32) -> torch.Tensor:
+    packed, scales, mins = qlinear.pack_w4a8(weight, group)
     return torch.ops.specchat.w4a8_linear(x.contiguous(), packed, scales, mins, weight.shape[0])
 
 
@@ -71,21 +73,25 @@ def kernel(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     n=st.integers(1, 37),
     blocks=st.integers(1, 9),
     seed=st.integers(0, 2**16),
+    group=st.sampled_from(GROUPS),
 )
-@example(m=3, n=23, blocks=9, seed=660)  # an activation on a rounding tie (see reference)
-def test_kernel_equals_the_reference_arithmetic(m: int, n: int, blocks: int, seed: int) -> None:
+@example(m=3, n=23, blocks=9, seed=660, group=32)  # an activation on a rounding tie (see reference)
+@example(m=2, n=17, blocks=3, seed=1, group=128)  # w4a8-g128: a scale serves four blocks
+def test_kernel_equals_the_reference_arithmetic(
+    m: int, n: int, blocks: int, seed: int, group: int
+) -> None:
     """Any rows M (1..19 covers every rows-per-pass variant of either path: AVX2 takes 4, 3, 2
     or 1 rows a pass, AVX512-VNNI 8 down to 1), any N (padding to 8 rows; an odd number of row
-    groups leaves the VNNI path's last group to the AVX2 code)."""
+    groups leaves the VNNI path's last group to the AVX2 code), any weight group."""
     gen = torch.Generator().manual_seed(seed)
-    k = 32 * blocks
+    k = group * blocks
     weight = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)
     x = torch.randn(m, k, generator=gen) * 3
     x[0, : k // 2] = 0.0  # an all-zero activation group: scale 0, no division by zero
-    got = kernel(x, weight).double()
-    want = reference(x, weight)
+    got = kernel(x, weight, group).double()
+    want = reference(x, weight, group)
     err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
-    assert err < 1e-5, f"M={m} N={n} K={k}: max error {err:.2e} of the largest output"
+    assert err < 1e-5, f"M={m} N={n} K={k} G={group}: max error {err:.2e} of the largest output"
 
 
 @needs_kernel
@@ -95,20 +101,24 @@ def test_kernel_equals_the_reference_arithmetic(m: int, n: int, blocks: int, see
     blocks=st.integers(1, 9),
     seed=st.integers(0, 2**16),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    group=st.sampled_from(GROUPS),
 )
 def test_the_native_packer_equals_the_reference_byte_for_byte(
-    n: int, blocks: int, seed: int, dtype: torch.dtype
+    n: int, blocks: int, seed: int, dtype: torch.dtype, group: int
 ) -> None:
-    """Codes, scales and minimums, padding rows included; odd groups too (constant, huge, tiny)."""
+    """Codes, scales and minimums, padding rows included; odd groups too (constant, huge, tiny,
+    an outlier that the wider groups' range search narrows away from)."""
     gen = torch.Generator().manual_seed(seed)
-    weight = torch.randn(n, 32 * blocks, generator=gen) * torch.rand(n, 1, generator=gen)
-    weight[0, :32] = 0.25  # a constant group: its scale is float16's least, not 0
-    weight[-1, -32:] *= 1e4  # large values: the float16 scale rounds
+    weight = torch.randn(n, group * blocks, generator=gen) * torch.rand(n, 1, generator=gen)
+    weight[0, :group] = 0.25  # a constant group: its scale is float16's least, not 0
+    weight[-1, -group:] *= 1e4  # large values: the float16 scale rounds
     if n > 2:
         weight[1] *= 1e-6  # tiny values: subnormal float16 scales
+    if n > 3:
+        weight[2, 3] = 40.0  # an outlier
     weight = weight.to(dtype)
-    got = qlinear.pack_w4a8(weight)
-    want = qlinear.pack_w4a8_reference(weight)
+    got = qlinear.pack_w4a8(weight, group)
+    want = qlinear.pack_w4a8_reference(weight, group)
     for name, g, w in zip(("packed", "scales", "mins"), got, want, strict=True):
         assert g.dtype == w.dtype and g.shape == w.shape, name
         assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), name
@@ -131,6 +141,56 @@ def test_a_group_packed_member_by_member_equals_the_packed_stack() -> None:
         )
     # a member ending inside a group of 8 rows: no shortcut, the float stack is packed
     assert qlinear.W4A8Linear.stacked([nn.Linear(64, 20), nn.Linear(64, 16)]) is None
+
+
+def test_a_wide_group_searches_its_range_and_never_does_worse_than_the_full_one() -> None:
+    """w4a8-g128: each group's range is the full one or a narrower one with less squared error.
+    One outlier in a group of 128 stretches every step; the search narrows the range there."""
+    torch.manual_seed(3)
+    weight = torch.randn(16, 512) * 0.02
+    weight[5, 7] = 0.5  # an outlier in row 5's first group
+
+    def errors(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+        w = codes.float().reshape(16, 4, 128) * scales.float()[..., None] + mins.float()[..., None]
+        return (w - weight.reshape(16, 4, 128)).pow(2).sum(-1)
+
+    full_range = weight.reshape(16, 4, 128)
+    lo, hi = full_range.amin(-1), full_range.amax(-1)
+    mins = lo.half()
+    scales = ((hi - mins.float()) / 15).clamp(min=2**-24).half()
+    codes = ((full_range - mins.float()[..., None]) / scales.float()[..., None]).round().clamp(0, 15)
+    searched = errors(*qlinear.quantize_w4a8(weight, 128))
+    full = errors(codes.reshape(16, 512), scales, mins)
+    assert (searched <= full * (1 + 1e-6)).all()
+    assert searched.sum() < 0.9 * full.sum()  # narrower ranges pay on Gaussian weights
+    assert qlinear.quantize_w4a8(weight, 128)[2][5, 0] > lo[5, 0]  # the outlier's group narrowed
+
+
+@needs_kernel
+def test_a_weight_group_the_kernel_cannot_read_is_refused() -> None:
+    with pytest.raises(ValueError, match="groups are 32, 64, 128"):
+        qlinear.pack_w4a8(torch.randn(8, 192), 96)
+    with pytest.raises(ValueError, match="divisible by 128, not 192"):
+        qlinear.pack_w4a8(torch.randn(8, 192), 128)
+    packed, scales, mins = qlinear.pack_w4a8(torch.randn(8, 384), 128)
+    with pytest.raises(RuntimeError, match="power of two"):  # 3 blocks a group
+        torch.ops.specchat.w4a8_linear(torch.randn(1, 384), packed, scales[:, :1], mins[:, :1], 8)
+
+
+def test_w4a8_g128_refuses_a_model_whose_inputs_are_not_a_multiple_of_128() -> None:
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+    )
+    with pytest.raises(QuantizationError, match="multiple of 128; .* has 96") as err:
+        quant.check(quant.QuantMode.W4A8_G128, config, torch.device("cpu"))
+    assert "w4a8" in (err.value.hint or "")
 
 
 def test_codes_use_the_full_grid_and_reconstruct_the_extremes() -> None:
@@ -239,18 +299,22 @@ def path_restored() -> object:
     n=st.integers(1, 70),
     blocks=st.integers(1, 12),
     seed=st.integers(0, 2**16),
+    group=st.sampled_from(GROUPS),
 )
-@example(m=5, n=24, blocks=48, seed=0)  # a verify block of 5 on 3 row groups (odd: one left over)
-@example(m=17, n=16, blocks=1, seed=1)  # two passes of 8 rows and one of 1
-def test_the_vnni_path_gives_the_avx2_paths_bits(m: int, n: int, blocks: int, seed: int) -> None:
+@example(m=5, n=24, blocks=48, seed=0, group=32)  # a verify block of 5 on 3 row groups (odd: one left over)
+@example(m=17, n=16, blocks=1, seed=1, group=32)  # two passes of 8 rows and one of 1
+@example(m=3, n=40, blocks=7, seed=2, group=128)  # w4a8-g128, the 0.5B's 896 inputs
+def test_the_vnni_path_gives_the_avx2_paths_bits(
+    m: int, n: int, blocks: int, seed: int, group: int
+) -> None:
     """Same integer block sums, same float steps in the same order: the two paths agree bit for
     bit, so a machine's choice changes no token (greedy identity and the packed cache hold)."""
     gen = torch.Generator().manual_seed(seed)
-    k = 32 * blocks
+    k = group * blocks if group > 32 else 32 * blocks
     weight = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)
     x = torch.randn(m, k, generator=gen) * torch.logspace(-2, 2, m)[:, None]
     x[0, :32] = 0.0
-    packed, scales, mins = qlinear.pack_w4a8(weight)
+    packed, scales, mins = qlinear.pack_w4a8(weight, group)
     out = {}
     try:
         for path in ("avx2", "avx512vnni"):
