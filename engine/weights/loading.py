@@ -105,6 +105,11 @@ def default_quants(
 
     modes: list[QuantMode] = []
     if not runnable_only or cpu_supports("w4a8") is None:
+        # The draft's weights only steer what is proposed, never what is emitted, so it
+        # takes the kernel's groups of 128: a step reads 15% fewer bytes (0.5B: 13.2
+        # against 15.5 ms) for 84.4% agreement with the target against 85.8%.
+        if role == "draft":
+            modes.append(QuantMode.W4A8_G128)
         modes.append(QuantMode.W4A8)
     if not runnable_only or has_fbgemm():
         modes.append(QuantMode.W8A8)

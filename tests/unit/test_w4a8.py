@@ -177,22 +177,6 @@ def test_a_weight_group_the_kernel_cannot_read_is_refused() -> None:
         torch.ops.specchat.w4a8_linear(torch.randn(1, 384), packed, scales[:, :1], mins[:, :1], 8)
 
 
-def test_w4a8_g128_refuses_a_model_whose_inputs_are_not_a_multiple_of_128() -> None:
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(
-        hidden_size=96,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=64,
-    )
-    with pytest.raises(QuantizationError, match="multiple of 128; .* has 96") as err:
-        quant.check(quant.QuantMode.W4A8_G128, config, torch.device("cpu"))
-    assert "w4a8" in (err.value.hint or "")
-
-
 def test_codes_use_the_full_grid_and_reconstruct_the_extremes() -> None:
     weight = torch.randn(8, 128)
     codes, scales, mins = qlinear.quantize_w4a8(weight)
@@ -224,19 +208,27 @@ def test_kernel_refuses_mismatched_weights() -> None:
         torch.ops.specchat.w4a8_linear(torch.randn(1, 128), packed, scales.float(), mins, 8)
 
 
-def test_in_features_not_a_multiple_of_32_is_refused_with_a_reason() -> None:
-    with pytest.raises(QuantizationError, match="multiple of 32; .* has 80"):
-        from transformers import LlamaConfig
+@pytest.mark.parametrize(
+    ("mode", "hidden", "multiple", "hint"),
+    [(quant.QuantMode.W4A8, 80, 32, "w8a8"), (quant.QuantMode.W4A8_G128, 96, 128, "w4a8 or")],
+)
+def test_in_features_the_kernel_cannot_walk_are_refused_with_a_reason(
+    mode: quant.QuantMode, hidden: int, multiple: int, hint: str
+) -> None:
+    """w4a8 walks blocks of 32 inputs, w4a8-g128 groups of 128 (and points to w4a8)."""
+    from transformers import LlamaConfig
 
-        config = LlamaConfig(
-            hidden_size=80,
-            intermediate_size=128,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            vocab_size=64,
-        )
-        quant.check(quant.QuantMode.W4A8, config, torch.device("cpu"))
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+    )
+    with pytest.raises(QuantizationError, match=f"multiple of {multiple}; .* has {hidden}") as err:
+        quant.check(mode, config, torch.device("cpu"))
+    assert hint in (err.value.hint or "")
 
 
 def test_a_machine_without_a_compiler_gets_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -76,7 +76,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--draft-quant",
         choices=quants,
         default="auto",
-        help="draft quantization (auto: as the target)",
+        help="draft quantization (auto: as the target, but w4a8-g128 where the target takes w4a8)",
     )
     g.add_argument(
         "--draft-vocab",
