@@ -28,10 +28,13 @@ LOCAL_MODES = tuple(m for m in Mode if m is not Mode.REMOTE)  # what the local e
 
 SPECULATIVE_MODES = frozenset({Mode.SPEC, Mode.SELF_SPEC, Mode.LOOKUP, Mode.EAGLE})  # draft, then verify
 
-# The bench's and A/B's name for spec with the draft model alone (compose=False).
-SPEC_ALONE = "spec-alone"
-# ... and for spec drafting then verifying in turns, never ahead (ahead=False).
-SPEC_SERIAL = "spec-serial"
+# The bench's names for spec with one of its parts turned off: the DecodeConfig fields.
+SPEC_VARIANTS: dict[str, dict[str, object]] = {
+    "spec-alone": {"compose": False},  # the draft model alone, without lookup first
+    "spec-serial": {"ahead": False},  # drafting then verifying in turns, never ahead
+    "spec-chain": {"siblings": 0},  # chains of drafts only, never a draft tree
+}
+SPEC_ALONE, SPEC_SERIAL, SPEC_CHAIN = SPEC_VARIANTS
 
 # The most draft tokens a round verifies. A verify block is the last token plus K
 # drafts, and a token scores exactly as it would alone only while the block takes
@@ -93,6 +96,10 @@ class DecodeConfig:
     # greedy spec: the draft model drafts on a core of its own while the target verifies,
     # where the load measured that it pays (engine/decode/ahead.py); False: draft, then verify.
     ahead: bool = True
+    # spec with the draft model, serial: the draft's second guess verified beside its first
+    # at depths 1..siblings, a draft tree (engine/decode/tree.py). None: the controller
+    # chooses where the measured costs say it pays; 0: a chain alone.
+    siblings: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     seed: int | None = None
     # early exit (lossy) and self-speculation (lossless)
@@ -113,6 +120,8 @@ class DecodeConfig:
             raise ValueError(
                 f"need 1 <= k_min <= k_max <= {MAX_K}, got {self.k_min}, {self.k_max}"
             )
+        if self.siblings is not None and not 0 <= self.siblings <= MAX_K:
+            raise ValueError(f"siblings must be in 0..{MAX_K}, got {self.siblings}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 

@@ -56,6 +56,9 @@ class TokenEvent:
     # A served engine's most likely tokens at this step, (text, probability), best first,
     # where it returned logprobs; token_id is -1 where the server gives no id (vLLM, SGLang).
     alternatives: tuple[tuple[str, float], ...] = ()
+    # ACCEPTED in a draft tree's round: which of the draft's guesses at its depth the
+    # target took (1 its first, the chain's; 2 its second, beside the chain); else None.
+    draft_rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +86,9 @@ class RoundEvent:
     # Which drafter proposed this round's drafts ("lookup", the draft model's name,
     # "self-spec E=7"); None for a round without drafts.
     drafter: str | None = None
+    # A draft tree's round: the draft's other guesses verified beside its k drafts
+    # (engine/decode/tree.py); 0 for a chain.
+    siblings: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -73,6 +73,15 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+def expected_tokens_tree(alpha: float, k: int, beta: float, siblings: int) -> float:
+    """E(K) for a chain of k with the draft's second guess beside depths 1..siblings
+    (engine/decode/tree.py): where the chain is refused at depth i <= siblings (reached
+    with probability alpha^(i-1), refused 1 - alpha), the guess is taken with
+    probability `beta` and adds one token, itself, before the round's last."""
+    reach = sum(alpha ** (i - 1) for i in range(1, min(siblings, k) + 1))
+    return expected_tokens(alpha, k) + beta * (1.0 - alpha) * reach
+
+
 def expected_speedup(alpha: float, k: int, c: float, v: float = 1.0) -> float:
     """Expected walltime improvement of speculative decoding over plain decoding.
 

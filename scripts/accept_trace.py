@@ -43,7 +43,8 @@ def record(args: argparse.Namespace) -> None:
     from specchat.engine.model.runner import ModelRunner
 
     q = QuantMode(args.quant)
-    draft_spec = ModelSpec(args.draft, quant=q, head_shortlist=args.draft_vocab)
+    dq = QuantMode(args.draft_quant) if args.draft_quant else q
+    draft_spec = ModelSpec(args.draft, quant=dq, head_shortlist=args.draft_vocab)
     session = ChatSession.load(ModelSpec(args.target, quant=q), draft_spec, threads=args.threads)
     assert session.draft is not None
     runner = ModelRunner(session.draft.model, session.draft.device)
@@ -105,6 +106,7 @@ def record(args: argparse.Namespace) -> None:
         "target": args.target,
         "draft": args.draft,
         "quant": args.quant,
+        "draft_quant": dq.value,
         "draft_vocab": args.draft_vocab,
         "costs": {
             "target_step_ms": costs.target_step_ms,
@@ -302,7 +304,7 @@ def replay_full_tree(
     return len(rank) / cost
 
 
-COMPOSE_POLICIES = ("model", "lookup", "composed")
+COMPOSE_POLICIES = ("model", "lookup", "composed", "composed+trees")
 
 
 def replay_composed(
@@ -313,7 +315,10 @@ def replay_composed(
 
     policy: "model" the draft model alone; "lookup" copies alone (a plain step where
     nothing matches); "composed" a copy wherever the lookup finds one, priced by a
-    controller of its own, the draft model's round elsewhere.
+    controller of its own, the draft model's round elsewhere; "+trees": the draft
+    model's rounds may verify its second guess beside depths 1..S where the controller
+    prices that worth it (engine/decode/tree.py), taken where the trace ranks the
+    target's token second among the draft's guesses.
     The draft model reads the prompt before its first round (a catch-up), the first
     token is a plain step, and after a copy or a plain stretch the draft catches up on
     what it missed (a pass over more than two tokens; two or fewer ride in its next
@@ -326,12 +331,14 @@ def replay_composed(
     reply = len(match)
     step = 100.0
     measured = {k: verify[k] for k in (1, 4) if k in verify}
-    model = Controller(DecodeConfig(), Costs(step, c * step, 0.2, dict(measured)))
+    trees = policy.endswith("+trees")
+    model = Controller(DecodeConfig(), Costs(step, c * step, 0.2, dict(measured)), tree=trees)
     copier = Controller(DecodeConfig(), Costs(step, 0.0, 0.2, dict(measured)))
     lookup = LookupDrafter(1)
-    use_model, use_copy = policy != "lookup", policy != "model"
+    use_model, use_copy = policy != "lookup", not policy.startswith("model")
+    rank = prompt.get("rank", [])
     cost, t, unseen = 1.0, 1, n0 + 1  # the first token: a plain step; the draft has read nothing
-    rounds = {"copy": 0, "copy_accepted": 0, "copy_drafted": 0, "model": 0, "plain": 0}
+    rounds = {"copy": 0, "copy_accepted": 0, "copy_drafted": 0, "model": 0, "plain": 0, "tree": 0, "hit": 0}
     while t < reply:
         remaining = reply - t
         found = lookup.match(ids[: n0 + t], MAX_K) if use_copy else []
@@ -363,11 +370,15 @@ def replay_composed(
         acc = 0
         while acc < k and match[t + acc]:
             acc += 1
-        cost += c * (1 + 0.1 * (unseen - 1)) + (k - 1) * c + verify[k]
-        model.observe_round(k, acc, k * c * step, verify[k] * step)
+        sib = min(model.siblings, max(verify) - k)
+        hit = sib > 0 and acc < min(k, sib) and rank[t + acc] == 1  # its second guess
+        cost += c * (1 + 0.1 * (unseen - 1)) + (k - 1) * c + verify[k + sib]
+        model.observe_round(k, acc + hit, k * c * step, verify[k + sib] * step, sib, hit)
         model.take_reason()
         rounds["model"] += 1
-        t, unseen = t + acc + 1, 2 if acc == k else 1
+        rounds["tree"] += sib > 0
+        rounds["hit"] += hit
+        t, unseen = t + acc + 1 + hit, 2 if acc == k or hit else 1
     return reply / cost, rounds
 
 
@@ -383,8 +394,8 @@ def replay_compose_table(
         per = " ".join(f"{s:.2f}" for s in speedups)
         print(
             f"  {policy:9s} {statistics.median(speedups):.3f}  [{per}]  copies {n['copy']} "
-            f"({kept:.2f} of {n['copy_drafted']} drafts kept), model rounds {n['model']}, "
-            f"plain {n['plain']}"
+            f"({kept:.2f} of {n['copy_drafted']} drafts kept), model rounds {n['model']} "
+            f"(trees {n['tree']}, ending on a second guess {n['hit']}), plain {n['plain']}"
         )
 
 
@@ -452,6 +463,7 @@ def main() -> None:
     rec.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     rec.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     rec.add_argument("--quant", default="w4a8")
+    rec.add_argument("--draft-quant", default="", help="the draft's (default: --quant)")
     rec.add_argument("--draft-vocab", type=int, default=0)
     rec.add_argument("--threads", type=int, default=2)
     rec.add_argument("--max-new-tokens", type=int, default=128)

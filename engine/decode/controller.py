@@ -12,6 +12,12 @@ The controller picks the K that maximises S within [k_min, k_max], drops to
 plain decoding when the best S is clearly below 1, and probes speculation
 again after a number of plain tokens, since acceptance changes with the text.
 
+With draft trees allowed (engine/decode/tree.py), the choice is (K, S): the
+draft's second guess beside depths 1..S adds the tokens a refused first guess
+would have cost, with probability β (measured on the rounds that tried one),
+and the verify pass grows to K + S drafts: S = 0 wherever a bigger pass costs
+more than the guesses bring, which is everywhere the verify pass grows steeply.
+
 Acceptance is estimated per draft token tried, not per round, so the estimate
 remembers as much text at K=1 as at K=8; a fallback needs S below 0.95, not 1,
 because coming back costs the draft a catch-up pass over the plain stretch;
@@ -21,8 +27,10 @@ acceptance traces of the default pair (docs/performance.md, step 15).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..config import DecodeConfig, Mode
-from ..metrics import expected_speedup
+from ..metrics import expected_speedup, expected_tokens_tree
 from .costs import Costs
 
 
@@ -39,8 +47,21 @@ class Controller:
     FALLBACK_BELOW = 0.95  # the expected speedup under which plain decoding takes over
     PROBE_TRIALS = 2.0  # a probe restarts from the prior α worth 2 trials: its rounds decide
     HYSTERESIS = 0.05  # change K only for a 5% better expected speedup
+    SIBLINGS_MAX = 4  # depths a tree may hang a second guess beside
+    # The prior share of the chain's refusals that the draft's second guess covers: 0.49
+    # for the 0.5B draft on the dev prompts (docs/performance.md, step 20); worth 4 trials.
+    BETA0 = 0.45
+    BETA_TRIALS = 4.0
 
-    def __init__(self, cfg: DecodeConfig, costs: Costs | None = None, alpha0: float = 0.7) -> None:
+    def __init__(
+        self,
+        cfg: DecodeConfig,
+        costs: Costs | None = None,
+        alpha0: float = 0.7,
+        tree: bool = False,
+    ) -> None:
+        """`tree`: the drafter and the target can take a draft tree (then cfg.siblings,
+        or the controller's choice where it is None, says how many depths)."""
         self.cfg = cfg
         self.costs = costs or Costs()
         # Acceptance as decayed counts of accepted drafts and of trials; the prior
@@ -48,6 +69,11 @@ class Controller:
         self._alpha0 = alpha0
         self._trials = 1.0 / (1.0 - self.MEMORY)
         self._acc = alpha0 * self._trials
+        self._beta_trials = self.BETA_TRIALS
+        self._beta_hits = self.BETA0 * self.BETA_TRIALS
+        self.tree = tree and cfg.siblings != 0
+        # Depths with a second guess: fixed by cfg.siblings, else chosen with K (best()).
+        self.siblings = (cfg.siblings or 0) if self.tree else 0
         self.k = cfg.k if cfg.k is not None else min(max(4, cfg.k_min), cfg.k_max)
         self.mode = Mode.SPEC
         self._plain_since_probe = 0
@@ -57,11 +83,20 @@ class Controller:
         if self.adaptive and self.costs.ratio() is not None:
             # The first round already uses the measured costs (and the prior α):
             # on a CPU where verifying 5 tokens costs 2 steps, K=1 is the best start.
-            self.k = self.best()[0]
+            self.k, self.siblings = self._plan()[:2]
 
     @property
     def alpha(self) -> float:
         return self._acc / self._trials if self._trials else 0.0
+
+    @property
+    def beta(self) -> float:
+        """The share of refused first guesses whose depth's second guess the target took."""
+        return self._beta_hits / self._beta_trials if self._beta_trials else 0.0
+
+    @property
+    def choose_siblings(self) -> bool:
+        return self.tree and self.cfg.siblings is None
 
     @property
     def adaptive(self) -> bool:
@@ -99,19 +134,34 @@ class Controller:
         self.costs.target_step_ms = _ema(self.costs.target_step_ms, step_ms)
         self._plain_since_probe += 1
 
-    def observe_round(self, k: int, accepted: int, draft_ms: float, verify_ms: float) -> None:
-        """Update α and the costs from one speculative round, then re-plan."""
+    def observe_round(
+        self,
+        k: int,
+        accepted: int,
+        draft_ms: float,
+        verify_ms: float,
+        siblings: int = 0,
+        off_chain: bool = False,
+    ) -> None:
+        """Update α, β and the costs from one speculative round, then re-plan. A tree's
+        round: `siblings` guesses verified beside the k drafts, `off_chain` when the
+        accepted path ended on one (then `accepted` counts it)."""
+        chain = accepted - int(off_chain)  # the chain's own drafts the target accepted
         # The round's draft tokens in order: the accepted ones, then the rejected one.
-        for hit in [1.0] * accepted + [0.0] * (accepted < k):
+        for hit in [1.0] * chain + [0.0] * (chain < k):
             self._acc = self.MEMORY * self._acc + hit
             self._trials = self.MEMORY * self._trials + 1.0
+        if siblings and chain < min(k, siblings):  # the refused depth had a second guess
+            self._beta_hits = self.MEMORY * self._beta_hits + float(off_chain)
+            self._beta_trials = self.MEMORY * self._beta_trials + 1.0
         if k > 0:
             self.costs.draft_step_ms = _ema(self.costs.draft_step_ms, draft_ms / k)
         step = self.costs.target_step_ms
+        n = k + siblings  # the drafts the pass verified
         if step:
-            slope = max(0.0, (verify_ms / step - 1.0) / k)
+            slope = max(0.0, (verify_ms / step - 1.0) / n)
             self.costs.verify_slope = _ema(self.costs.verify_slope, slope, 0.2)
-            self.costs.verify_at[k] = _ema(self.costs.verify_at.get(k), verify_ms / step, 0.2)
+            self.costs.verify_at[n] = _ema(self.costs.verify_at.get(n), verify_ms / step, 0.2)
         else:
             # No plain step measured yet: take the verify pass as an upper bound of a step.
             self.costs.target_step_ms = verify_ms
@@ -119,23 +169,39 @@ class Controller:
             self._replan()
 
     def best(self) -> tuple[int, float]:
-        c = self.costs.ratio()
-        if c is None:
-            return self.k, 1.0
-        alpha = min(self.alpha, 0.99)
-        options = [
-            (expected_speedup(alpha, k, c, self.costs.verify_ratio(k)), k)
-            for k in range(self.cfg.k_min, self.cfg.k_max + 1)
-        ]
-        s, k = max(options)
+        """The best K and its expected speedup (with the best siblings for it)."""
+        k, _, s = self._plan()
         return k, s
+
+    def speedup(self, k: int, siblings: int = 0) -> float:
+        """Expected speedup of a round of k drafts with a second guess beside `siblings`."""
+        c = self.costs.ratio() or 0.0
+        alpha = min(self.alpha, 0.99)
+        if not siblings:
+            return expected_speedup(alpha, k, c, self.costs.verify_ratio(k))
+        tokens = expected_tokens_tree(alpha, k, self.beta, siblings)
+        return tokens / (k * c + self.costs.verify_ratio(k + siblings))
+
+    def _plan(self) -> tuple[int, int, float]:
+        """(K, siblings, expected speedup): the best within the config's bounds."""
+        if self.costs.ratio() is None:
+            return self.k, self.siblings, 1.0
+        options = []
+        for k in range(self.cfg.k_min, self.cfg.k_max + 1):
+            depths = range(min(k, self.SIBLINGS_MAX) + 1) if self.choose_siblings else [self.siblings]
+            options += [(self.speedup(k, s), -s, k) for s in depths]
+        best, minus_s, k = max(options)  # ties: fewer siblings
+        return k, -minus_s, best
 
     def _replan(self) -> None:
         c = self.costs.ratio()
         if c is None:
             return
-        k, s = self.best()
-        facts = f"α={self.alpha:.2f}, c={c:.2f}, v({k})={self.costs.verify_ratio(k):.2f}"
+        k, sib, s = self._plan()
+        n = k + sib
+        facts = f"α={self.alpha:.2f}, c={c:.2f}, v({n})={self.costs.verify_ratio(n):.2f}"
+        if sib:
+            facts += f", β={self.beta:.2f}"
         probed, self._probing = self._probing, False
         if s < self.FALLBACK_BELOW:
             if probed:
@@ -146,17 +212,40 @@ class Controller:
                 f"fallback to plain: best expected speedup {s:.2f}x < {self.FALLBACK_BELOW} "
                 f"at K={k} ({facts}); probing again in {self._probe_after} tokens"
             )
-            self.k = k
+            self.k, self.siblings = k, sib
             return
         self._probe_after = self.PROBE_AFTER
         if self.mode is Mode.PLAIN:
             self.mode = Mode.SPEC
-            self._pending_reason = f"speculation pays again: {s:.2f}x expected at K={k} ({facts})"
-        elif k != self.k:
-            current = expected_speedup(
-                min(self.alpha, 0.99), self.k, c, self.costs.verify_ratio(self.k)
+            self._pending_reason = (
+                f"speculation pays again: {s:.2f}x expected at K={_shape(k, sib)} ({facts})"
             )
-            if s < current * (1 + self.HYSTERESIS):
+        elif (k, sib) != (self.k, self.siblings):
+            if s < self.speedup(self.k, self.siblings) * (1 + self.HYSTERESIS):
                 return  # not worth a change: K would flap on noise
-            self._pending_reason = f"K {self.k}->{k}: expected speedup {s:.2f}x ({facts})"
-        self.k = k
+            self._pending_reason = (
+                f"K {_shape(self.k, self.siblings)}->{_shape(k, sib)}: expected speedup "
+                f"{s:.2f}x ({facts})"
+            )
+        self.k, self.siblings = k, sib
+
+
+def _shape(k: int, siblings: int) -> str:
+    """'2', or '2 + 1 sibling' for a tree with a second guess beside the first draft."""
+    if not siblings:
+        return str(k)
+    return f"{k} + {siblings} sibling{'s' if siblings > 1 else ''}"
+
+
+def trees_pay_below(costs: Costs, cfg: DecodeConfig | None = None) -> float | None:
+    """The highest acceptance (0.30-0.99) at which the controller would speculate with the
+    draft's second guess beside its chain at these costs, β at its prior; None if at none."""
+    cfg = cfg or DecodeConfig()
+    edge = None
+    for percent in range(30, 100):
+        alpha = percent / 100
+        ctl = Controller(cfg, replace(costs, verify_at=dict(costs.verify_at)), alpha, tree=True)
+        _, siblings, speedup = ctl._plan()
+        if siblings and speedup >= Controller.FALLBACK_BELOW:
+            edge = alpha
+    return edge

@@ -37,7 +37,7 @@ from ..model.runner import ModelRunner
 from ..weights.loading import LoadedModel, check_tokenizers_match, load_model, set_threads
 from .ahead import AheadDrafter, ahead_of, common_prefix_len
 from .compose import ComposedDrafter
-from .controller import Controller
+from .controller import Controller, trees_pay_below
 from .costs import AheadCosts, Costs, measure_ahead, measure_costs, measure_head_cost
 from .early_exit import EarlyExitStepper, SelfSpecDrafter
 from .exit_policy import policy_for
@@ -203,6 +203,8 @@ class ChatSession:
             notes.append("measured: " + ", ".join(facts))
         if self._ahead_costs is not None:
             notes.append(self._ahead_costs.describe(self._ahead_way))
+        if self.drafter is not None:
+            notes.append(self._describe_trees())
         return Ready(
             summary="; ".join(parts),
             target=t,
@@ -211,6 +213,21 @@ class ChatSession:
             load_seconds=self.load_seconds,
             notes=tuple(notes),
             draft_head=self.head_drafter.describe() if self.head_drafter is not None else None,
+        )
+
+    def _describe_trees(self) -> str:
+        """Whether spec's draft model may verify trees here, and from which acceptance down."""
+        if not self._takes_trees(Mode.SPEC):
+            return f"draft trees off: the target has no native decoder ({self.target_runner.native_off})"
+        below = trees_pay_below(self.costs) if self.costs.ratio() is not None else None
+        where = (
+            f"where acceptance is at most {below:.2f} at these costs"
+            if below is not None
+            else "where the measured costs say it pays (at these: nowhere)"
+        )
+        return (
+            "draft trees: the draft's second guess verified beside its first drafts "
+            f"{where} (--siblings 0: chains only)"
         )
 
     def measure_costs(self, k: int = 4, repeats: int = 3) -> Costs:
@@ -577,7 +594,9 @@ class ChatSession:
             drafter=drafter,
             composed=composed,
             early_exit=early_exit,
-            controller=Controller(cfg, self._costs_for(run_mode, ahead is not None)),
+            controller=Controller(
+                cfg, self._costs_for(run_mode, ahead is not None), tree=self._takes_trees(run_mode)
+            ),
             copier=(
                 Controller(cfg, self._costs_for(Mode.LOOKUP, ahead is not None))
                 if composed
@@ -596,6 +615,11 @@ class ChatSession:
             reply=ReplyFilter(cfg.stop),
             generator=generator,
         )
+
+    def _takes_trees(self, mode: Mode) -> bool:
+        """Whether spec's draft model may draft trees (tree.py): its rounds verify through
+        the target's native decoder, which scores a tree's rows by their paths."""
+        return mode is Mode.SPEC and self.drafter is not None and self.target_runner.native is not None
 
     def _stop_before_round(self, turn: Turn, cancel: threading.Event | None) -> str | None:
         """Why the reply ends before another round ("cancelled", "max_tokens", "context"), or None."""
@@ -639,9 +663,16 @@ class ChatSession:
 
         res: RoundResult
         if mode is not Mode.PLAIN and k >= 1 and drafter is not None:
-            res = speculative_round(self.target_runner, drafter, seq, k, cfg, turn.generator)
+            # A tree where the controller priced one, for the serial draft model's rounds
+            # (a copy's drafts are one-hot; the draft ahead keeps a chain of its own).
+            siblings = ctl.siblings if drafter is self.drafter else 0
+            res = speculative_round(
+                self.target_runner, drafter, seq, k, cfg, turn.generator, siblings
+            )
             if res.k:
-                ctl.observe_round(res.k, res.accepted, res.draft_ms, res.verify_ms)
+                ctl.observe_round(
+                    res.k, res.accepted, res.draft_ms, res.verify_ms, res.siblings, res.off_chain
+                )
                 round_mode = turn.run_mode
             else:  # a lookup that found nothing: the round was a plain step
                 ctl.observe_plain(res.verify_ms)
@@ -752,6 +783,7 @@ class ChatSession:
             next_k=controller.k if speculative else None,
             target_step_ms=controller.costs.target_step_ms if speculative else None,
             drafter=res.drafter,
+            siblings=res.siblings,
         )
 
     def _finish(self, turn: Turn, stop_reason: str, t_start: float) -> Iterator[Event]:

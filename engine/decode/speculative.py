@@ -41,6 +41,7 @@ from .sampling import (
     sample,
     token_probs,
 )
+from .tree import add_siblings, chain_prefix, children_of, walk_greedy, walk_sampled
 
 
 def emitted(token_id: int, provenance: Provenance, **facts: Any) -> TokenEvent:
@@ -58,6 +59,8 @@ class RoundResult:
     verify_ms: float
     layers_run: list[int] = field(default_factory=list)  # per emitted token, when known
     drafter: str | None = None  # who proposed the drafts (k > 0)
+    siblings: int = 0  # a tree's guesses beside the k chain drafts (engine/decode/tree.py)
+    off_chain: bool = False  # the accepted path ended on one of them
 
 
 @dataclass(slots=True)
@@ -227,8 +230,13 @@ def speculative_round(
     k: int,
     cfg: DecodeConfig,
     generator: torch.Generator | None,
+    siblings: int = 0,
 ) -> RoundResult:
-    """Draft k tokens, verify them in one target pass, accept, roll both caches back."""
+    """Draft k tokens, verify them in one target pass, accept, roll both caches back.
+
+    `siblings` > 0: the draft's next guesses at depths 1..siblings are verified beside
+    the chain, a draft tree (tree.py), where the drafter gave its distributions and
+    the target can score a tree."""
     n0 = len(seq)
     # 0. After a stretch of plain rounds the draft has tokens to catch up on: a one-off
     # cost, kept out of draft_ms, which the controller reads as k per-token draft steps
@@ -238,9 +246,18 @@ def speculative_round(
     t0 = _now()
     prop = drafter.propose(seq, k, cfg, generator)
     k = prop.n  # a lookup draft may find fewer, or none: then a plain step
+    tree = None
+    if siblings and k and prop.logits is not None:
+        tree = add_siblings(prop.ids, prop.logits, prop.probs, siblings, cfg, generator)
     t1 = _now()
     # 2. Verify: one target pass over (the last token + d_1..d_k), keeping k+1 rows.
     target.prefill(seq)  # the cache holds seq[:-1]
+    if tree is not None and len(tree[3]) > k and target.takes_tree(len(tree[3]) + 1):
+        ids, logits, probs, parents = tree
+        return _tree_round(
+            target, drafter, seq, Proposal(ids, logits, probs, prop.source), parents, k, cfg,
+            generator, (t0, t1),
+        )
     d = prop.ids.to(target.device)  # [k]
     block = torch.cat([torch.tensor(seq[-1:], dtype=torch.long, device=target.device), d])
     target_logits = target.feed(block, keep=k + 1)  # [k+1, V]
@@ -294,6 +311,84 @@ def speculative_round(
     drafter.rollback(n0 + n)
     source = (prop.source or drafter.name) if k else None
     return RoundResult(tokens, k, n, (t1 - t0) * 1e3, (t2 - t1) * 1e3, drafter=source)
+
+
+def _tree_round(
+    target: ModelRunner,
+    drafter: Drafter,
+    seq: list[int],
+    prop: Proposal,
+    parents: tuple[int, ...],
+    k: int,
+    cfg: DecodeConfig,
+    generator: torch.Generator | None,
+    times: tuple[float, float],
+) -> RoundResult:
+    """Verify a draft tree (nodes 0..k-1 the chain, then the guesses beside it) in one
+    target pass, walk it (tree.py), keep the accepted path in the target's cache.
+
+    The walk reads the host once (the target's argmax, or the sampled coin flips), and
+    the emitted tokens' probabilities once more."""
+    n0 = len(seq)
+    dev = target.device
+    d = prop.ids.to(dev)  # [n]
+    block = torch.cat([torch.tensor(seq[-1:], dtype=torch.long, device=dev), d])
+    target_logits = target.feed_tree(block, (-1, *(p + 1 for p in parents)))  # [n+1, V]
+    assert prop.logits is not None
+    draft_logits = align_vocab(prop.logits.to(dev), target_logits.shape[-1])  # [n, V]
+    ids = d.tolist()
+    p_target_rows = p_draft_rows = None
+    if cfg.greedy:
+        walk = walk_greedy(torch.argmax(target_logits, dim=-1).tolist(), ids, parents)
+    else:
+        p_target_rows = logits_to_probs(target_logits, cfg.temperature, cfg.top_k, cfg.top_p)
+        p_draft_rows = (
+            prop.probs.to(dev)
+            if prop.probs is not None
+            else logits_to_probs(draft_logits, cfg.temperature, cfg.top_k, cfg.top_p)
+        )
+        walk = walk_sampled(p_target_rows, p_draft_rows, ids, parents, generator)
+    path = walk.path
+    rows = [0] + [c + 1 for c in path]  # the block rows kept; row j scored emitted token j
+    chain = torch.tensor([ids[c] for c in path] + [walk.last], dtype=torch.long, device=dev)
+    at = torch.tensor(rows, dtype=torch.long, device=dev)
+    nodes = at[1:] - 1
+    if p_target_rows is None:
+        p_t = token_probs(target_logits[at], chain)
+        p_d = token_probs(draft_logits[nodes], chain[:-1]) if path else chain.new_zeros(0)
+    else:
+        assert p_draft_rows is not None
+        p_t = p_target_rows[at, chain]
+        p_d = p_draft_rows[nodes, chain[:-1]]
+    packed = torch.cat([p_t.double(), p_d.double()]).tolist()  # the round's second host read
+    t2 = _now()
+
+    kids = children_of(parents)
+    tokens = [
+        emitted(
+            ids[c], Provenance.ACCEPTED, position=j, p_target=packed[j],
+            p_draft=packed[len(rows) + j], draft_rank=kids[rows[j]].index(c) + 1,
+        )
+        for j, c in enumerate(path)
+    ]
+    n = len(path)
+    if walk.bonus:
+        tokens.append(emitted(walk.last, Provenance.BONUS, position=n, p_target=packed[n]))
+    else:
+        refused = ids[kids[walk.row][0]]  # the draft's first guess there
+        tokens.append(
+            emitted(
+                walk.last, Provenance.CORRECTED, position=n, p_target=packed[n],
+                rejected_id=refused,
+            )
+        )
+    target.keep_path(n0 - 1, rows)  # seq and the accepted path, in order
+    drafter.rollback(n0 + chain_prefix(path))  # the draft's cache followed the chain only
+    t0, t1 = times
+    return RoundResult(
+        tokens, k, n, (t1 - t0) * 1e3, (t2 - t1) * 1e3, drafter=prop.source or drafter.name,
+        siblings=len(parents) - k, off_chain=chain_prefix(path) < n,
+    )
 
 
 def _round_tokens(packed: list[float], k: int) -> list[TokenEvent]:

@@ -139,18 +139,22 @@ class NativeDecoder:
         past: int,
         run: range,
         rows: int = BATCHED,
+        parents: tuple[int, ...] = (),
     ) -> Tensor:
         """Layers `run` (consecutive) on h [1, n, H]: their output; appends their K/V.
 
         `rows`: how float projections and silu take the rows (engine/model/invariance.py):
         `feed` passes its plan's; the default is transformers' layer modules' way
-        (the early-exit stack runs both, and must match them).
+        (the early-exit stack runs both, and must match them). `parents`: a draft tree's
+        (row i's parent row, -1 for row 0; `rope` at each row's depth), else a chain.
         """
         end = past + int(h.shape[1])
         layers: list[GrowingLayer] = [cache.layers[i] for i in run]  # type: ignore[misc]
         buffers = [layer.reserve(end) for layer in layers]
         keys, values = [k for k, _ in buffers], [v for _, v in buffers]
-        out: Tensor = self._impl.forward(h, *rope, keys, values, past, run.start, rows)
+        out: Tensor = self._impl.forward(
+            h, *rope, keys, values, past, run.start, rows, list(parents)
+        )
         for layer in layers:
             layer.set_length(end)
         return out

@@ -82,6 +82,18 @@ class GrowingLayer(DynamicLayer):
         self.keys = self._k[:, :, :n]
         self.values = self._v[:, :, :n]
 
+    def keep_rows(self, start: int, rows: list[int]) -> None:
+        """Positions start + rows[j] move to start + j, and the layer ends after them (a
+        draft tree's accepted path; rows ascending, rows[j] >= j)."""
+        assert self._k is not None and self._v is not None
+        moved = [j for j, r in enumerate(rows) if r != j]
+        if moved:
+            index = torch.tensor([start + rows[j] for j in moved], device=self._k.device)
+            dest = torch.tensor([start + j for j in moved], device=self._k.device)
+            self._k[:, :, dest] = self._k[:, :, index]
+            self._v[:, :, dest] = self._v[:, :, index]
+        self._set_length(start + len(rows))
+
     def get_seq_length(self) -> int:
         return self._len if self.is_initialized else 0
 

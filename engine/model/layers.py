@@ -72,11 +72,16 @@ class LayerStack:
         # A runner's, when given: steppers are made every turn.
         self.native = native_decoder(model)[0] if native == "build" else native
 
-    def begin(self, ids: Tensor, cache: DynamicCache, past: int) -> Pass:
-        """Embed ids [S] at positions past..past+S-1; rotary for the pass."""
+    def begin(
+        self, ids: Tensor, cache: DynamicCache, past: int, depths: Tensor | None = None
+    ) -> Pass:
+        """Embed ids [S] at positions past..past+S-1 (a draft tree's: past + depths [S]);
+        rotary for the pass."""
         n = int(ids.shape[-1])
         h = self.inner.embed_tokens(ids.view(1, n))  # [1, S, H]
         pos = torch.arange(past, past + n, device=h.device).view(1, n)  # [1, S]
+        if depths is not None:
+            pos = (past + depths.to(h.device)).view(1, n)
         rope = self.inner.rotary_emb(h, pos)  # (cos, sin), each [1, S, D]
         # With the native decoder the model scores short blocks row by row, which takes
         # no mask (engine/model/attention.py): skip making one, ~1 ms of Python a step.
@@ -104,17 +109,21 @@ class LayerStack:
         keep: int,
         exactness: Exactness,
         capture: tuple[int, ...],
+        parents: tuple[int, ...] = (),
     ) -> tuple[Tensor, Tensor | None]:
         """`forward`, and the residual stream entering each layer in `capture`, side by
         side for every fed row: (logits [keep, V], features [n, len(capture) * H] or None).
 
         The layers run in ranges split at the captured layers: the same operations
-        as one call, so the logits keep their bits.
+        as one call, so the logits keep their bits. `parents`: the rows are a draft
+        tree (native layers only: decoder.py), row i at its depth.
         """
         n = int(ids.shape[-1])
         taken: dict[int, Tensor] = {}
+        depths = tree_depths(parents) if parents else None
         with RowsApart(exactness.fixed) if RowsApart.needed(exactness, n) else nullcontext():
-            p = self.begin(ids, cache, past)
+            p = self.begin(ids, cache, past, depths)
+            p.parents = parents
             start = 0
             for stop in sorted(set(capture)):
                 h = self.run(p, start, stop, exactness.rows) if stop > start else p.h
@@ -133,8 +142,10 @@ class LayerStack:
         """
         run = range(start, stop)
         if self.native is not None and self.native.usable(p.cache, p.past, p.h.shape[1], run):
-            p.h = self.native.layers(p.h, p.rope, p.cache, p.past, run, rows)
+            p.h = self.native.layers(p.h, p.rope, p.cache, p.past, run, rows, p.parents)
             return p.h
+        if p.parents:
+            raise EngineError("a draft tree is verified by the native decoder only")
         for i in run:
             p.h = self.layers[i](
                 p.h,
@@ -208,6 +219,15 @@ class Pass:
     masks: dict[str, Any]  # by layer type
     cache: DynamicCache
     past: int  # positions cached before this pass
+    parents: tuple[int, ...] = ()  # a draft tree's rows (decoder.py), else a chain
+
+
+def tree_depths(parents: tuple[int, ...]) -> Tensor:
+    """[S] each tree row's depth below row 0 (parents[i] < i; row 0's is -1)."""
+    depth = [0] * len(parents)
+    for i, parent in enumerate(parents[1:], start=1):
+        depth[i] = depth[parent] + 1
+    return torch.tensor(depth, dtype=torch.long)
 
 
 def crop_layers(cache: DynamicCache, layers: range, n: int) -> None:

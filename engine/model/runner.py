@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 from .attention import one_thread, use_rowwise_attention
 from .decoder import native_decoder
 from .invariance import RowsApart, plan
-from .kv_cache import new_cache
+from .kv_cache import GrowingLayer, new_cache
 from .layers import LayerStack
 
 
@@ -116,6 +116,41 @@ class ModelRunner:
             self._hand_over(torch.cat([out.hidden_states[i][0] for i in capture], dim=-1))
         self.cached += n
         return out.logits[0]  # [keep, V]
+
+    def takes_tree(self, n: int) -> bool:
+        """Whether a draft tree of n rows can be verified now: through the native decoder,
+        with no features to hand over (a head reads the rows as a sequence)."""
+        return (
+            self.stack is not None
+            and self.native is not None
+            and self.on_features is None
+            and all(type(layer) is GrowingLayer for layer in self.cache.layers)
+            and self.native.usable(self.cache, self.cached, n)
+        )
+
+    @torch.inference_mode()
+    def feed_tree(self, ids: Tensor, parents: tuple[int, ...]) -> Tensor:
+        """Append a draft tree's rows ids [S] (`parents[i]` row i's parent row; row 0, -1,
+        follows the cache): the logits of every row [S, V], each row scored over the cache
+        and its own path as the chain along that path would score it. The cache holds
+        the rows in their order until `keep_path`. Needs `takes_tree(S)`."""
+        n = int(ids.shape[-1])
+        stack = self.stack
+        assert stack is not None and len(parents) == n
+        logits, _ = stack.forward_capturing(
+            ids, self.cache, self.cached, n, self.exactness, (), parents
+        )
+        self.cached += n
+        return logits
+
+    @torch.inference_mode()
+    def keep_path(self, start: int, rows: list[int]) -> None:
+        """After `feed_tree` at `start` cached tokens: keep the tree's rows `rows` (a path
+        from row 0, ascending) at positions start, start + 1, ..., and nothing after."""
+        for layer in self.cache.layers:
+            assert isinstance(layer, GrowingLayer)
+            layer.keep_rows(start, rows)
+        self.cached = start + len(rows)
 
     def _hand_over(self, feats: Tensor | None) -> None:
         if feats is not None and self.on_features is not None:

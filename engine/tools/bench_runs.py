@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..config import LOCAL_MODES, SPEC_ALONE, SPEC_SERIAL, W4A8_MODES, DecodeConfig, Mode, QuantMode
+from ..config import LOCAL_MODES, SPEC_VARIANTS, W4A8_MODES, DecodeConfig, Mode, QuantMode
 from ..errors import EngineError
 from ..events import Failed, Notice, RoundEvent, TokenEvent, TurnFinished, TurnStarted
 from ..model import native
@@ -37,7 +37,7 @@ except Exception:  # pragma: no cover - psutil is a dependency
 HF_GENERATE = "hf-generate"
 HF_ASSISTED = "hf-assisted"
 BASELINES = (HF_GENERATE, HF_ASSISTED)
-SESSION_ARMS = (*(m.value for m in LOCAL_MODES), SPEC_ALONE, SPEC_SERIAL)
+SESSION_ARMS = (*(m.value for m in LOCAL_MODES), *SPEC_VARIANTS)
 # A served engine's arm (`bench --server URL`): the same prompts through the server, which
 # decodes as it was started to; it runs beside the local arms in the same interleaving.
 SERVER_ARM = "server"
@@ -403,10 +403,8 @@ def fresh_conversation(session: ChatSession, prompt: BenchPrompt, system: str | 
 
 def arm_config(arm: str, cfg: DecodeConfig) -> DecodeConfig:
     """The decoding settings of a session arm: a mode, or spec with the draft model alone."""
-    if arm == SPEC_ALONE:
-        return cfg.with_(mode=Mode.SPEC, compose=False)
-    if arm == SPEC_SERIAL:
-        return cfg.with_(mode=Mode.SPEC, ahead=False)
+    if arm in SPEC_VARIANTS:
+        return cfg.with_(mode=Mode.SPEC, **SPEC_VARIANTS[arm])
     return cfg.with_(mode=Mode(arm))
 
 

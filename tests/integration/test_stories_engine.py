@@ -62,6 +62,27 @@ def test_greedy_spec_equals_plain_on_real_weights(
         assert accepted / drafted > 0.2
 
 
+def test_greedy_draft_trees_equal_plain_on_real_weights(stories: tuple) -> None:
+    """stories260k drafted by its first 4 layers, K = 3 with the draft's second guess
+    beside every depth (engine/decode/tree.py): plain's tokens on every prompt, and some
+    rounds end on a second guess."""
+    model, tok = stories
+    draft = layer_truncated(model, 4)
+    guesses = 0
+    for prompt in PROMPTS:
+        plain, _ = run(
+            ChatSession(loaded(model, tokenizer=tok)),
+            prompt,
+            DecodeConfig(mode=Mode.PLAIN, max_new_tokens=48),
+        )
+        session = ChatSession(loaded(model, tokenizer=tok), loaded(draft, "draft", tokenizer=tok))
+        cfg = DecodeConfig(mode=Mode.SPEC, k=3, siblings=3, compose=False, max_new_tokens=48)
+        events = list(session.stream(prompt, cfg))
+        assert [e.token_id for e in events if isinstance(e, TokenEvent)] == plain, prompt
+        guesses += sum(1 for e in events if isinstance(e, TokenEvent) and e.draft_rank == 2)
+    assert guesses >= 1
+
+
 @pytest.mark.parametrize("compose", [True, False])
 def test_greedy_spec_drafted_ahead_equals_plain_on_real_weights(
     stories: tuple, compose: bool

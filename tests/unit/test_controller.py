@@ -117,3 +117,50 @@ def test_a_failed_probe_doubles_the_wait_and_a_good_one_resets_it() -> None:
     assert "speculation pays again" in resumed and ctrl.mode is Mode.SPEC
     feed(ctrl, 1, 0, 10, 40, 122)
     assert "probing again in 24 tokens" in (ctrl.take_reason() or "")
+
+
+# -- draft trees: a second guess beside the chain where the verify pass stays flat ----------
+
+
+def test_a_tree_pays_where_verify_rows_are_nearly_free_and_acceptance_is_middling() -> None:
+    """α 0.6 and β 0.45: with a verify pass near one step at any size (a GPU, c 0.1) the
+    controller hangs a second guess beside its drafts; with this CPU class's steep passes
+    (AVX2 Zen 3: v(2..5) 1.15-2.22, c 0.44) it keeps a chain."""
+    flat = Controller(DecodeConfig(), Costs(100, 10, 0.01), alpha0=0.6, tree=True)
+    assert flat.siblings >= 1
+    k, s = flat.k, flat.siblings
+    assert flat.speedup(k, s) > flat.speedup(k, 0)
+    steep = Costs(100, 44, 0.3, {1: 1.15, 2: 1.55, 3: 1.61, 4: 2.22})
+    assert Controller(DecodeConfig(), steep, alpha0=0.6, tree=True).siblings == 0
+    assert Controller(DecodeConfig(), Costs(100, 10, 0.01), alpha0=0.6).siblings == 0  # no tree
+    off = Controller(DecodeConfig(siblings=0), Costs(100, 10, 0.01), alpha0=0.6, tree=True)
+    assert off.siblings == 0 and not off.tree  # --siblings 0
+    fixed = Controller(DecodeConfig(k=3, siblings=2), steep, tree=True)
+    assert (fixed.k, fixed.siblings) == (3, 2)  # forced, whatever it costs
+
+
+def test_rounds_that_end_on_a_guess_raise_beta_and_refusals_lower_it() -> None:
+    ctrl = Controller(DecodeConfig(k=2, siblings=2), Costs(100, 10, 0.01), tree=True)
+    before = ctrl.beta
+    for _ in range(10):  # the chain refused at depth 1, its second guess taken
+        ctrl.observe_round(2, 1, 20, 105, siblings=2, off_chain=True)
+    assert ctrl.beta > 0.8 > before
+    assert ctrl.alpha < 0.3  # the chain's own drafts were refused every time
+    assert ctrl.costs.verify_at[4] == pytest.approx(1.05)  # priced at its 4 drafts
+    for _ in range(10):  # refused, and so was the guess
+        ctrl.observe_round(2, 0, 20, 105, siblings=2)
+    assert ctrl.beta < 0.4
+    beta = ctrl.beta
+    ctrl.observe_round(2, 2, 20, 105, siblings=2)  # all accepted: no guess was tried
+    ctrl.observe_round(2, 1, 20, 105, siblings=1)  # refused below the guessed depth
+    assert ctrl.beta == beta
+
+
+def test_the_load_says_up_to_which_acceptance_trees_pay() -> None:
+    """trees_pay_below, what Ready states: with verify rows near one step and a draft at
+    c 0.1 the second guess pays up to α 0.92 (β at its prior 0.45); with AVX2 Zen 3's steep
+    verify passes (c 0.44) at no acceptance."""
+    from specchat.engine.decode.controller import trees_pay_below
+
+    assert trees_pay_below(Costs(100, 10, 0.01)) == pytest.approx(0.92)
+    assert trees_pay_below(Costs(100, 44, 0.3, {1: 1.15, 2: 1.55, 3: 1.61, 4: 2.22})) is None

@@ -194,7 +194,9 @@ def e2e_rounds(
     return rounds
 
 
-def target_law(target: torch.nn.Module) -> Callable[[tuple[int, ...]], np.ndarray]:
+def target_law(
+    target: torch.nn.Module, cfg: DecodeConfig = E2E_CFG
+) -> Callable[[tuple[int, ...]], np.ndarray]:
     """The target's processed next-token distribution after E2E_PROMPT + prefix (memoised)."""
     runner = ModelRunner(target, torch.device("cpu"))
     memo: dict[tuple[int, ...], np.ndarray] = {}
@@ -203,7 +205,6 @@ def target_law(target: torch.nn.Module) -> Callable[[tuple[int, ...]], np.ndarra
         if prefix not in memo:
             runner.reset()
             logits = runner.forward(E2E_PROMPT + list(prefix))[-1]
-            cfg = E2E_CFG
             probs = logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
             memo[prefix] = probs.double().numpy()
         return memo[prefix]

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specchat.engine.config import LOCAL_MODES, SPEC_ALONE, SPEC_SERIAL
+from specchat.engine.config import LOCAL_MODES, SPEC_ALONE, SPEC_CHAIN, SPEC_SERIAL, SPEC_VARIANTS
 
 from . import common
 
@@ -43,7 +43,7 @@ def add_parser(sub: Any) -> None:
         help=f"comma-separated modes to run (default: {ALL_MODES}); "
         f"{SPEC_ALONE}: spec with the draft model alone, without lookup first; "
         f"{SPEC_SERIAL}: spec drafting then verifying in turns, the draft never ahead on "
-        "a core of its own",
+        f"a core of its own; {SPEC_CHAIN}: spec with chains of drafts only, never a draft tree",
     )
     add_run_args(p)
     common.add_server_args(p)
@@ -114,6 +114,14 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--k", type=int, default=None, help="force K draft tokens (default: adaptive)")
+    g.add_argument(
+        "--siblings",
+        type=int,
+        default=None,
+        metavar="S",
+        help="spec: the draft's second guess beside depths 1..S (default: the controller "
+        f"chooses; the {SPEC_CHAIN} arm: never)",
+    )
     g.add_argument("--exit-threshold", type=float, default=None)
     g.add_argument("--exit-layer", type=int, default=None, help="self-spec draft depth")
 
@@ -247,11 +255,11 @@ def run(args: argparse.Namespace) -> int:
     if args.prompts is None:
         return error("--prompts is required", hint="e.g. --prompts prompts.jsonl")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in {x.value for x in LOCAL_MODES} | {SPEC_ALONE, SPEC_SERIAL}]
+    bad = [m for m in modes if m not in {x.value for x in LOCAL_MODES} | set(SPEC_VARIANTS)]
     if bad:
         return error(
             f"unknown mode(s) {', '.join(bad)}",
-            hint=f"choose from {ALL_MODES},{SPEC_ALONE},{SPEC_SERIAL}",
+            hint=f"choose from {ALL_MODES},{','.join(SPEC_VARIANTS)}",
         )
     if args.repeats < 1:
         return error("--repeats must be at least 1")

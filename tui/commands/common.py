@@ -128,6 +128,15 @@ def add_decode_args(p: argparse.ArgumentParser, *, mode_default: str | None = No
         help="spec: draft with the draft model alone (default: prompt lookup first, "
         "the draft model where it finds nothing)",
     )
+    g.add_argument(
+        "--siblings",
+        type=int,
+        default=None,
+        metavar="S",
+        help="spec: verify the draft's second guess beside its first at depths 1..S, a "
+        "draft tree (0: a chain alone; default: the controller chooses where the measured "
+        "costs say a tree pays)",
+    )
     g.add_argument("--max-new-tokens", type=int, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
@@ -148,6 +157,7 @@ def decode_config(args: argparse.Namespace, base: DecodeConfig | None = None) ->
         ("top_k", "top_k"),
         ("k", "k"),
         ("compose", "compose"),
+        ("siblings", "siblings"),
         ("max_new_tokens", "max_new_tokens"),
         ("seed", "seed"),
         ("exit_threshold", "exit_threshold"),

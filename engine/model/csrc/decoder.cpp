@@ -454,6 +454,29 @@ at::Tensor one_query(const at::Tensor& query, const at::Tensor& key, const at::T
   return at::matmul(probs, value).reshape({1, 1, h, d});
 }
 
+// A draft tree's rows (forward's `parents`): for each row, its path from row 0 (the rows
+// it attends to after the cache, itself last), or an empty path where that is rows 0..r,
+// as in a chain (then the row is scored as a chain's). Empty for no tree.
+std::vector<std::vector<int64_t>> tree_paths(const std::vector<int64_t>& parents, int64_t m) {
+  std::vector<std::vector<int64_t>> paths;
+  if (parents.empty()) return paths;
+  TORCH_CHECK(static_cast<int64_t>(parents.size()) == m, "one parent per row");
+  TORCH_CHECK(parents[0] == -1, "row 0 follows the cache");
+  paths.resize(m);
+  std::vector<std::vector<int64_t>> full(m);
+  full[0] = {0};
+  for (int64_t r = 1; r < m; ++r) {
+    const int64_t p = parents[r];
+    TORCH_CHECK(p >= 0 && p < r, "a row's parent comes before it");
+    full[r] = full[p];
+    full[r].push_back(r);
+    bool chain = true;
+    for (size_t j = 0; j < full[r].size(); ++j) chain = chain && full[r][j] == static_cast<int64_t>(j);
+    if (!chain) paths[r] = full[r];
+  }
+  return paths;
+}
+
 struct Decoder : torch::CustomClassHolder {
   std::vector<Layer> layers;
   Projection* last_ = nullptr;  // the projection add_projection added last; attach_packed's
@@ -516,19 +539,23 @@ struct Decoder : torch::CustomClassHolder {
     last_->reduce_range = reduce_range;
   }
 
-  // Layers first..first+L-1 for M new rows at positions past..past+M-1. h [1, M, H] the
-  // rows' hidden states entering layer `first`; cos, sin [1, M, D]; keys[i], values[i] the
-  // cache buffers [1, Hkv, capacity, D] of layer first+i, holding `past` positions and with
-  // room for M more. rows: how float projections and silu take the rows (Rows). Writes
-  // the new K/V and returns the last layer's output [1, M, H].
+  // Layers first..first+L-1 for M new rows, written to cache slots past..past+M-1. h
+  // [1, M, H] the rows' hidden states entering layer `first`; cos, sin [1, M, D]; keys[i],
+  // values[i] the cache buffers [1, Hkv, capacity, D] of layer first+i, holding `past`
+  // positions and with room for M more. rows: how float projections and silu take the
+  // rows (Rows). parents: empty for a chain (row r sees rows 0..r), else a draft tree:
+  // row r's parent row (-1 for row 0, which follows the cache; a parent comes before its
+  // child), and row r sees the cache and its path from row 0 (see tree_paths). Writes the
+  // new K/V and returns the last layer's output [1, M, H].
   at::Tensor forward(at::Tensor h, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> keys,
                      std::vector<at::Tensor> values, int64_t past, int64_t first,
-                     int64_t rows) {
+                     int64_t rows, std::vector<int64_t> parents) {
     TORCH_CHECK(keys.size() == values.size() && first >= 0 &&
                     first + static_cast<int64_t>(keys.size()) <= static_cast<int64_t>(layers.size()),
                 "one cache buffer per layer run");
     TORCH_CHECK(rows >= kBatched && rows <= kFixed, "unknown rows mode ", rows);
     const int64_t m = h.size(1), end = past + m;
+    const auto paths = tree_paths(parents, m);
     cos = cos.unsqueeze(1);  // [1, 1, M, D]
     sin = sin.unsqueeze(1);
     std::vector<at::Tensor> parts;
@@ -553,10 +580,30 @@ struct Decoder : torch::CustomClassHolder {
         att = one_query(q, key, value, l.scaling);
       } else {
         std::vector<at::Tensor> rows;
-        for (int64_t r = 0; r < m; ++r) {  // row r sees the keys up to its own position
-          const int64_t upto = end - (m - 1 - r);
-          rows.push_back(one_query(q.slice(2, r, r + 1), key.narrow(2, 0, upto),
-                                   value.narrow(2, 0, upto), l.scaling));
+        at::Tensor block_k, block_v;  // the block's own K/V, while tree rows borrow slots
+        for (int64_t r = 0; r < m; ++r) {
+          if (paths.empty() || paths[r].empty()) {  // row r sees the keys up to its own slot
+            const int64_t upto = end - (m - 1 - r);
+            rows.push_back(one_query(q.slice(2, r, r + 1), key.narrow(2, 0, upto),
+                                     value.narrow(2, 0, upto), l.scaling));
+            continue;
+          }
+          // A tree row off the chain: its path's K/V go to the slots a chain would hold
+          // them in, so it is scored over the very buffer a one-token step at its position
+          // reads (the same bits); then the block's K/V are put back.
+          if (!block_k.defined()) {
+            block_k = keys[i].narrow(2, past, m).clone();
+            block_v = values[i].narrow(2, past, m).clone();
+          }
+          const auto& path = paths[r];
+          const int64_t n = static_cast<int64_t>(path.size());
+          auto index = at::tensor(path, at::kLong);
+          keys[i].narrow(2, past, n).copy_(block_k.index_select(2, index));
+          values[i].narrow(2, past, n).copy_(block_v.index_select(2, index));
+          rows.push_back(one_query(q.slice(2, r, r + 1), key.narrow(2, 0, past + n),
+                                   value.narrow(2, 0, past + n), l.scaling));
+          keys[i].narrow(2, past, n).copy_(block_k.narrow(2, 0, n));
+          values[i].narrow(2, past, n).copy_(block_v.narrow(2, 0, n));
         }
         att = at::cat(rows, 1);
       }
