@@ -52,6 +52,12 @@ class Controller:
     # for the 0.5B draft on the dev prompts (docs/performance.md, step 20); worth 4 trials.
     BETA0 = 0.45
     BETA_TRIALS = 4.0
+    # A tree must beat the best chain by 10% to be chosen. The speedup model overrates
+    # trees: replayed on 14 recorded replies of the default pair (scripts/accept_trace.py,
+    # docs/performance.md step 26), trees chosen at any gain lost 1-5% against chains on
+    # this CPU class's costs and on flat (GPU-like) ones; with the margin they are taken
+    # only where acceptance is low, where a second guess covers most.
+    TREE_MARGIN = 0.10
 
     def __init__(
         self,
@@ -189,8 +195,11 @@ class Controller:
         options = []
         for k in range(self.cfg.k_min, self.cfg.k_max + 1):
             depths = range(min(k, self.SIBLINGS_MAX) + 1) if self.choose_siblings else [self.siblings]
-            options += [(self.speedup(k, s), -s, k) for s in depths]
-        best, minus_s, k = max(options)  # ties: fewer siblings
+            for s in depths:
+                speedup = self.speedup(k, s)
+                margin = 1.0 + self.TREE_MARGIN if s and self.choose_siblings else 1.0
+                options.append((speedup / margin, -s, k, speedup))
+        _, minus_s, k, best = max(options)  # ties: fewer siblings
         return k, -minus_s, best
 
     def _replan(self) -> None:
