@@ -617,9 +617,11 @@ class ChatSession:
         )
 
     def _takes_trees(self, mode: Mode) -> bool:
-        """Whether spec's draft model may draft trees (tree.py): its rounds verify through
-        the target's native decoder, which scores a tree's rows by their paths."""
-        return mode is Mode.SPEC and self.drafter is not None and self.target_runner.native is not None
+        """Whether spec's draft model or eagle's head may draft trees (tree.py): their
+        rounds verify through the target's native decoder, which scores a tree's rows by
+        their paths."""
+        drafts = self.drafter if mode is Mode.SPEC else self.head_drafter if mode is Mode.EAGLE else None
+        return drafts is not None and self.target_runner.native is not None
 
     def _stop_before_round(self, turn: Turn, cancel: threading.Event | None) -> str | None:
         """Why the reply ends before another round ("cancelled", "max_tokens", "context"), or None."""
@@ -665,7 +667,7 @@ class ChatSession:
         if mode is not Mode.PLAIN and k >= 1 and drafter is not None:
             # A tree where the controller priced one, for the serial draft model's rounds
             # (a copy's drafts are one-hot; the draft ahead keeps a chain of its own).
-            siblings = ctl.siblings if drafter is self.drafter else 0
+            siblings = ctl.siblings if drafter in (self.drafter, self.head_drafter) else 0
             res = speculative_round(
                 self.target_runner, drafter, seq, k, cfg, turn.generator, siblings
             )

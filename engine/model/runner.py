@@ -58,6 +58,7 @@ class ModelRunner:
         # 14 against 16 ms on two). Set where measured faster (decode/costs.py); blocks of
         # several rows keep every thread. Which thread computes a value never changes it.
         self.steps_on_one_thread = False
+        self._tree_feats: Tensor | None = None  # a tree's features until keep_path picks its rows
 
     @property
     def stack(self) -> LayerStack | None:
@@ -118,12 +119,10 @@ class ModelRunner:
         return out.logits[0]  # [keep, V]
 
     def takes_tree(self, n: int) -> bool:
-        """Whether a draft tree of n rows can be verified now: through the native decoder,
-        with no features to hand over (a head reads the rows as a sequence)."""
+        """Whether a draft tree of n rows can be verified now: through the native decoder."""
         return (
             self.stack is not None
             and self.native is not None
-            and self.on_features is None
             and all(type(layer) is GrowingLayer for layer in self.cache.layers)
             and self.native.usable(self.cache, self.cached, n)
         )
@@ -133,12 +132,14 @@ class ModelRunner:
         """Append a draft tree's rows ids [S] (`parents[i]` row i's parent row; row 0, -1,
         follows the cache): the logits of every row [S, V], each row scored over the cache
         and its own path as the chain along that path would score it. The cache holds
-        the rows in their order until `keep_path`. Needs `takes_tree(S)`."""
+        the rows in their order until `keep_path`, which also hands the kept rows'
+        features over (a head reads them as a sequence). Needs `takes_tree(S)`."""
         n = int(ids.shape[-1])
         stack = self.stack
         assert stack is not None and len(parents) == n
-        logits, _ = stack.forward_capturing(
-            ids, self.cache, self.cached, n, self.exactness, (), parents
+        capture = self.capture if self.on_features is not None else ()
+        logits, self._tree_feats = stack.forward_capturing(
+            ids, self.cache, self.cached, n, self.exactness, capture, parents
         )
         self.cached += n
         return logits
@@ -150,6 +151,10 @@ class ModelRunner:
         for layer in self.cache.layers:
             assert isinstance(layer, GrowingLayer)
             layer.keep_rows(start, rows)
+        self.cached = start
+        feats, self._tree_feats = self._tree_feats, None
+        if feats is not None:
+            self._hand_over(feats[torch.tensor(rows, device=feats.device)])
         self.cached = start + len(rows)
 
     def _hand_over(self, feats: Tensor | None) -> None:

@@ -64,6 +64,32 @@ def test_each_tree_row_scores_as_the_chain_along_its_path_in_w4a8() -> None:
     tree_against_chains(quant.apply(tiny_llama(hidden=128), QuantMode.W4A8, lm_head=True))
 
 
+def test_the_kept_path_hands_a_head_the_features_a_chain_would() -> None:
+    """A runner capturing features for a draft head (layers 1 and 3): after feed_tree and
+    keep_path, the features handed over are those of the kept rows, at their positions,
+    bit for bit what a chain verify of the path hands over; none during feed_tree."""
+    runner = ModelRunner(tiny_llama(), CPU)
+    native_or_skip(runner)
+    got: list[tuple[int, torch.Tensor]] = []
+    runner.feed(list(range(3, 12)))
+    runner.feed([19])
+    base = runner.cached
+    runner.capture = (1, 3)
+    runner.on_features = lambda start, feats: got.append((start, feats))
+    for path in PATHS.values():
+        runner.crop_to(base)
+        runner.feed_tree(torch.tensor(IDS), PARENTS)
+        assert not got
+        runner.keep_path(base, path)
+        (start, tree_feats), = got
+        got.clear()
+        runner.crop_to(base)
+        runner.feed([IDS[j] for j in path], keep=len(path))
+        (chain_start, chain_feats), = got
+        got.clear()
+        assert start == chain_start == base and torch.equal(tree_feats, chain_feats)
+
+
 def test_a_tree_needs_the_native_decoder() -> None:
     runner = ModelRunner(tiny_llama(), CPU)
     runner.native = None
@@ -223,3 +249,23 @@ def test_a_spec_turn_with_trees_streams_plains_tokens_and_says_where_guesses_won
     ranks = [e.draft_rank for e in events if isinstance(e, TokenEvent) and e.draft_rank]
     assert 2 in ranks and set(ranks) <= {1, 2}
     assert arm_config(SPEC_CHAIN, cfg).siblings == 0
+
+
+def test_greedy_eagle_with_trees_decodes_what_plain_decodes() -> None:
+    """--mode eagle with a random head (40 draft ids) and a second guess beside 2 of its 3
+    drafts: plain's 40 tokens over two turns; its rounds verified the guesses."""
+    from specchat.engine.config import Mode
+    from specchat.engine.events import RoundEvent, TokenEvent
+    from tests.tinymodels import chatml_tokenizer
+    from tests.unit.test_eagle_head import random_head, session
+
+    target = tiny_llama(seed=0, layers=4, tokenizer=chatml_tokenizer())
+    native_or_skip(ModelRunner(target, CPU))
+    cfg = DecodeConfig(mode=Mode.EAGLE, k=3, siblings=2, compose=False, max_new_tokens=40)
+    chat, ref = session(target, random_head(target)), session(target, None)
+    for prompt in ("one two three four one two", "three four"):
+        events = list(chat.stream(prompt, cfg))
+        plain = list(ref.stream(prompt, cfg.with_(mode=Mode.PLAIN)))
+        ids = [[e.token_id for e in ev if isinstance(e, TokenEvent)] for ev in (events, plain)]
+        assert ids[0] == ids[1]
+        assert any(isinstance(e, RoundEvent) and e.siblings == 2 for e in events)
