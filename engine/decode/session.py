@@ -218,7 +218,7 @@ class ChatSession:
     def _describe_trees(self) -> str:
         """Whether spec's draft model may verify trees here, and from which acceptance down."""
         if not self._takes_trees(Mode.SPEC):
-            return f"draft trees off: the target has no native decoder ({self.target_runner.native_off})"
+            return "draft trees off: the target's attention cannot score a tree's rows by their paths"
         below = trees_pay_below(self.costs) if self.costs.ratio() is not None else None
         where = (
             f"where acceptance is at most {below:.2f} at these costs"
@@ -617,11 +617,10 @@ class ChatSession:
         )
 
     def _takes_trees(self, mode: Mode) -> bool:
-        """Whether spec's draft model or eagle's head may draft trees (tree.py): their
-        rounds verify through the target's native decoder, which scores a tree's rows by
-        their paths."""
+        """Whether spec's draft model or eagle's head may draft trees (tree.py): the target
+        scores a tree's rows by their paths (its native decoder or row-wise attention)."""
         drafts = self.drafter if mode is Mode.SPEC else self.head_drafter if mode is Mode.EAGLE else None
-        return drafts is not None and self.target_runner.native is not None
+        return drafts is not None and self.target_runner.scores_trees
 
     def _stop_before_round(self, turn: Turn, cancel: threading.Event | None) -> str | None:
         """Why the reply ends before another round ("cancelled", "max_tokens", "context"), or None."""

@@ -24,6 +24,7 @@ other attention kinds) as they are.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,6 +47,23 @@ MAX_ROWWISE = 32  # longer blocks are prompts, not verify blocks
 assert MAX_K + 1 <= MAX_ROWWISE, "every verify block must score row by row"
 
 
+# A draft tree's rows while transformers' modules verify it (model/runner.py `feed_tree`):
+# each row's path from row 0, itself last, or () where that is rows 0..i, as in a chain.
+_TREE: contextvars.ContextVar[tuple[tuple[int, ...], ...]] = contextvars.ContextVar(
+    "specchat_tree", default=()
+)
+
+
+@contextlib.contextmanager
+def tree_rows(paths: tuple[tuple[int, ...], ...]) -> Iterator[None]:
+    """Inside, a short block's rows are a draft tree's: row i sees the cache and paths[i]."""
+    token = _TREE.set(paths)
+    try:
+        yield
+    finally:
+        _TREE.reset(token)
+
+
 def rowwise_sdpa(
     module: torch.nn.Module,
     query: torch.Tensor,  # [B, H, q_len, D]
@@ -59,11 +77,25 @@ def rowwise_sdpa(
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     kwargs.pop("is_causal", None)
     one = _one_query if _plain_attention(module, kwargs) else _one_query_sdpa
+    paths = _TREE.get()
+    past = kv_len - q_len
+    block: tuple[torch.Tensor, torch.Tensor] | None = None
     rows = []
     for i in range(q_len):
+        path = paths[i] if paths else ()
         end = kv_len - (q_len - 1 - i)  # row i sees the keys up to its own position
+        if path:  # a tree row off the chain: its path's K/V in the slots a chain holds them in
+            if block is None:
+                block = key[:, :, past:].clone(), value[:, :, past:].clone()
+            index = torch.tensor(path, device=key.device)
+            end = past + len(path)
+            key[:, :, past:end] = block[0][:, :, index]
+            value[:, :, past:end] = block[1][:, :, index]
         with one_thread(end <= ONE_THREAD_KEYS):
             rows.append(one(module, query[:, :, i : i + 1], key[:, :, :end], value[:, :, :end], kwargs))
+        if path and block is not None:
+            key[:, :, past:end] = block[0][:, :, : len(path)]
+            value[:, :, past:end] = block[1][:, :, : len(path)]
     return (rows[0] if q_len == 1 else torch.cat(rows, dim=1)), None
 
 

@@ -222,6 +222,15 @@ class Pass:
     parents: tuple[int, ...] = ()  # a draft tree's rows (decoder.py), else a chain
 
 
+def tree_paths(parents: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """Each tree row's path from row 0, itself last, or () where it is rows 0..i as in a
+    chain (csrc/decoder.cpp's tree_paths)."""
+    full: list[tuple[int, ...]] = []
+    for i, parent in enumerate(parents):
+        full.append((*full[parent], i) if i else (0,))
+    return tuple(() if p == tuple(range(len(p))) else p for p in full)
+
+
 def tree_depths(parents: tuple[int, ...]) -> Tensor:
     """[S] each tree row's depth below row 0 (parents[i] < i; row 0's is -1)."""
     depth = [0] * len(parents)

@@ -24,11 +24,12 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from .attention import one_thread, use_rowwise_attention
+from .attention import MAX_ROWWISE, one_thread, tree_rows, use_rowwise_attention
+from .attention import NAME as ROWWISE
 from .decoder import native_decoder
 from .invariance import RowsApart, plan
 from .kv_cache import GrowingLayer, new_cache
-from .layers import LayerStack
+from .layers import LayerStack, tree_depths, tree_paths
 
 
 class ModelRunner:
@@ -118,13 +119,23 @@ class ModelRunner:
         self.cached += n
         return out.logits[0]  # [keep, V]
 
+    @property
+    def scores_trees(self) -> bool:
+        """Whether this model can verify draft trees: through its native decoder, or its
+        modules' row-wise attention (model/attention.py), each row over its own path."""
+        return self.native is not None or self.model.config._attn_implementation == ROWWISE
+
     def takes_tree(self, n: int) -> bool:
-        """Whether a draft tree of n rows can be verified now: through the native decoder."""
+        """Whether a draft tree of n rows can be verified now (after the conversation's
+        first pass, in a cache that grows in place)."""
         return (
-            self.stack is not None
-            and self.native is not None
-            and all(type(layer) is GrowingLayer for layer in self.cache.layers)
-            and self.native.usable(self.cache, self.cached, n)
+            self.scores_trees
+            and 0 < n <= MAX_ROWWISE
+            and self.cached > 0
+            and all(
+                type(layer) is GrowingLayer and layer.get_seq_length() == self.cached
+                for layer in self.cache.layers
+            )
         )
 
     @torch.inference_mode()
@@ -135,14 +146,34 @@ class ModelRunner:
         the rows in their order until `keep_path`, which also hands the kept rows'
         features over (a head reads them as a sequence). Needs `takes_tree(S)`."""
         n = int(ids.shape[-1])
-        stack = self.stack
-        assert stack is not None and len(parents) == n
+        assert len(parents) == n
         capture = self.capture if self.on_features is not None else ()
-        logits, self._tree_feats = stack.forward_capturing(
-            ids, self.cache, self.cached, n, self.exactness, capture, parents
+        stack = self.stack
+        if stack is not None and self.native is not None and self.native.usable(self.cache, self.cached, n):
+            logits, self._tree_feats = stack.forward_capturing(
+                ids, self.cache, self.cached, n, self.exactness, capture, parents
+            )
+            self.cached += n
+            return logits
+        # transformers' modules: each row at its depth, its attention over its path.
+        ex = self.exactness
+        positions = (self.cached + tree_depths(parents).to(self.device)).view(1, n)
+        with tree_rows(tree_paths(parents)), (
+            RowsApart(ex.fixed) if RowsApart.needed(ex, n) else nullcontext()
+        ):
+            out = self.model(
+                input_ids=ids.view(1, n),
+                position_ids=positions,
+                cache=self.cache,
+                use_cache=True,
+                logits_to_keep=n,
+                output_hidden_states=bool(capture),
+            )
+        self._tree_feats = (
+            torch.cat([out.hidden_states[i][0] for i in capture], dim=-1) if capture else None
         )
         self.cached += n
-        return logits
+        return out.logits[0]  # type: ignore[no-any-return]
 
     @torch.inference_mode()
     def keep_path(self, start: int, rows: list[int]) -> None:

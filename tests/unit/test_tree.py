@@ -24,9 +24,12 @@ PARENTS = (-1, 0, 1, 2, 0, 1, 2, 4)
 PATHS = {4: [0, 4], 5: [0, 1, 5], 6: [0, 1, 2, 6], 7: [0, 4, 7], 3: [0, 1, 2, 3]}
 
 
-def tree_against_chains(model: torch.nn.Module) -> None:
+def tree_against_chains(model: torch.nn.Module, native_path: bool = True) -> None:
     runner = ModelRunner(model, CPU)  # type: ignore[arg-type]
-    native_or_skip(runner)
+    if native_path:
+        native_or_skip(runner)
+    else:
+        runner.native = None  # transformers' modules, row-wise attention (GPUs take this path)
     runner.feed(list(range(3, 12)))  # the prompt (modules), then one native step
     runner.feed([19])
     base = runner.cached
@@ -49,11 +52,12 @@ def tree_against_chains(model: torch.nn.Module) -> None:
         assert torch.equal(after_tree, runner.feed([7])[-1])
 
 
-def test_each_tree_row_scores_as_the_chain_along_its_path() -> None:
-    """Float32 Llama (4 layers, the native decoder): every row of an 8-row tree equals the
-    same token's row in a chain verify of its path (torch.equal), and keep_path leaves
-    the cache the chain would have."""
-    tree_against_chains(tiny_llama())
+@pytest.mark.parametrize("native_path", [True, False], ids=["native", "modules"])
+def test_each_tree_row_scores_as_the_chain_along_its_path(native_path: bool) -> None:
+    """Float32 Llama (4 layers; the native decoder, then transformers' modules): every row
+    of an 8-row tree equals the same token's row in a chain verify of its path
+    (torch.equal), and keep_path leaves the cache the chain would have."""
+    tree_against_chains(tiny_llama(), native_path)
 
 
 def test_each_tree_row_scores_as_the_chain_along_its_path_in_w4a8() -> None:
@@ -90,11 +94,16 @@ def test_the_kept_path_hands_a_head_the_features_a_chain_would() -> None:
         assert start == chain_start == base and torch.equal(tree_feats, chain_feats)
 
 
-def test_a_tree_needs_the_native_decoder() -> None:
+def test_a_tree_needs_attention_that_scores_rows_by_their_paths() -> None:
+    """Without the native decoder and with transformers' own SDPA (a sliding-window model
+    keeps it), no tree is taken; before the conversation's first pass, none either."""
     runner = ModelRunner(tiny_llama(), CPU)
-    runner.native = None
+    assert not runner.takes_tree(3)  # nothing cached yet
     runner.feed([3, 4, 5])
-    assert not runner.takes_tree(3)
+    assert runner.takes_tree(3) and not runner.takes_tree(40)  # rows past MAX_ROWWISE
+    runner.native = None
+    runner.model.config._attn_implementation = "sdpa"
+    assert not runner.scores_trees and not runner.takes_tree(3)
 
 
 def test_greedy_siblings_are_the_drafts_next_guesses() -> None:
@@ -128,11 +137,16 @@ def test_the_greedy_walk_takes_the_targets_pick() -> None:
     assert (walk.path, walk.last, walk.bonus) == ([], 7, False)
 
 
-def decode(target: torch.nn.Module, draft: torch.nn.Module | None, siblings: int, n: int) -> tuple[list[int], int]:
+def decode(
+    target: torch.nn.Module, draft: torch.nn.Module | None, siblings: int, n: int,
+    native_path: bool = True,
+) -> tuple[list[int], int]:
     """n greedy tokens after PROMPT: plain steps (draft None) or rounds of K = 3 with
     guesses beside depths 1..siblings; (tokens, rounds that ended on a guess)."""
     cfg = DecodeConfig(temperature=0.0)
     runner = ModelRunner(target, CPU)  # type: ignore[arg-type]
+    if not native_path:
+        runner.native = None
     seq, off = list(PROMPT), 0
     drafter = ModelDrafter(ModelRunner(draft, CPU)) if draft is not None else None  # type: ignore[arg-type]
     while len(seq) < len(PROMPT) + n:
@@ -146,16 +160,18 @@ def decode(target: torch.nn.Module, draft: torch.nn.Module | None, siblings: int
     return seq[len(PROMPT) : len(PROMPT) + n], off
 
 
-def test_greedy_trees_decode_what_plain_greedy_decodes() -> None:
+@pytest.mark.parametrize("native_path", [True, False], ids=["native", "modules"])
+def test_greedy_trees_decode_what_plain_greedy_decodes(native_path: bool) -> None:
     """A 2-layer target and its copy with head noise of std 0.6 as the draft: 80 greedy
     tokens through rounds of K = 3 with guesses beside 1, 2 and 3 depths equal plain
     greedy's; 3 rounds at least end on a guess (the path a chain cannot take)."""
     target = tiny_llama(seed=0, layers=2)
-    native_or_skip(ModelRunner(target, CPU))
+    if native_path:
+        native_or_skip(ModelRunner(target, CPU))
     draft = perturbed(target, 0.6, seed=1)
     plain, _ = decode(target, None, 0, 80)
     for siblings in (1, 2, 3):
-        out, off = decode(target, draft, siblings, 80)
+        out, off = decode(target, draft, siblings, 80, native_path)
         assert out == plain, siblings
         assert off >= 3, f"siblings={siblings}: only {off} rounds ended on a guess"
 
