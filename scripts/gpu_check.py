@@ -18,7 +18,11 @@ For bnb-nf4 and bnb-int8 (and a float32 control) this script
 4. trains a draft head (`--mode eagle`) on the tiny float32 target for 60
    steps through `train-draft`'s own code path on the device, checks that
    greedy eagle decoding through `ChatSession` equals plain, and times a
-   head step against a target step of the 1536-wide target (c on this device).
+   head step against a target step of the 1536-wide target (c on this device);
+5. decodes greedily with draft trees (the draft's second guess beside depths 1..S,
+   engine/decode/tree.py) through the engine's own round, float32 and bnb-nf4,
+   checks the tokens against plain decoding, reports how far a tree's rows score
+   from the chains along their paths, and times chain and tree verify passes.
 
 It installs nothing, needs no network and finishes in well under five
 minutes. Exit status: 0 all identities held, 1 one failed, 2 no CUDA (nothing
@@ -265,6 +269,93 @@ def check_head(target_dir: Path, wide_dir: Path, device: torch.device, tokens: i
     return 0 if same else 1
 
 
+def tree_verify_costs(runner: Any, device: torch.device) -> str:
+    """A decode step after 128 tokens, and chain and tree verify passes of as many rows."""
+    runner.feed(list(range(3, 131)))
+    base = runner.cached
+
+    def chain(n: int) -> None:
+        runner.crop_to(base)
+        runner.feed([5] * n, keep=n)
+
+    def tree(k: int) -> None:  # a chain of k and a second guess beside each of its drafts
+        runner.crop_to(base)
+        parents = (-1, *range(k), *range(k))
+        runner.feed_tree(torch.tensor([5] * len(parents), device=device), parents)
+
+    reps = 20 if device.type == "cuda" else 3
+    step = timed(lambda: chain(1), device, reps)
+    cells = []
+    for k in (1, 2, 3, 4):
+        c_ms = timed(lambda k=k: chain(1 + 2 * k), device, reps)
+        t_ms = timed(lambda k=k: tree(k), device, reps)
+        cells.append(f"{1 + 2 * k} rows {c_ms / step:.2f} | {t_ms / step:.2f}")
+    return f"step {step:.2f} ms; " + "; ".join(cells)
+
+
+def check_trees(
+    target_dir: Path, draft_dir: Path, wide_dir: Path, device: torch.device, k: int, tokens: int
+) -> int:
+    """Section 5: draft trees through the engine's own round on this device (transformers'
+    modules and row-wise attention: the native decoder is the CPU's); returns the
+    number of failed identities."""
+    from specchat.engine.config import DecodeConfig
+    from specchat.engine.decode.speculative import ModelDrafter, plain_step, speculative_round
+    from specchat.engine.model.runner import ModelRunner
+
+    print(f"\n5. draft trees (the draft's second guess beside depths 1..S), K={k}, {tokens} tokens")
+    cfg = DecodeConfig(temperature=0.0)
+    failures = 0
+    print(f"{'target':9} {'S':>2} {'identical':9} {'ended on a guess':>16} {'max|dlogit| tree-chain':>23}")
+    for mode in (QuantMode.NONE, QuantMode.BNB_NF4):
+        target = load(target_dir, mode, device)
+        draft = load(draft_dir, mode, device)
+        runner = ModelRunner(target, device)
+        seq = list(PROMPT)
+        while len(seq) < len(PROMPT) + tokens:
+            seq.append(plain_step(runner, seq, cfg, None).tokens[0].token_id)
+        plain = seq[len(PROMPT) :]
+        for siblings in (1, k):
+            runner = ModelRunner(target, device)
+            drafter = ModelDrafter(ModelRunner(draft, device))
+            seq, off = list(PROMPT), 0
+            while len(seq) < len(PROMPT) + tokens:
+                res = speculative_round(runner, drafter, seq, k, cfg, None, siblings)
+                off += res.off_chain
+                seq += [e.token_id for e in res.tokens]
+            got = seq[len(PROMPT) : len(PROMPT) + tokens]
+            same = got == plain
+            failures += not same
+            # One tree against the chains along its paths, same cache: how far apart they score.
+            runner.crop_to(len(PROMPT) + 4)
+            base = runner.cached
+            ids = torch.tensor([seq[base]] + [3, 4, 5] + [6, 7], device=device)
+            parents = (-1, 0, 1, 2, 0, 1)
+            tree = runner.feed_tree(ids, parents)
+            delta = 0.0
+            for path in ([0, 1, 2, 3], [0, 4], [0, 1, 5]):
+                runner.crop_to(base)
+                chain = runner.feed(ids[path], keep=len(path))
+                delta = max(delta, float((chain - tree[path]).abs().max()))
+                runner.crop_to(base)
+                runner.feed_tree(ids, parents)
+            name = "float32" if mode is QuantMode.NONE else mode.value
+            where = "yes" if same else f"no @{first_difference(got, plain)}"
+            print(f"{name:9} {siblings:2d} {where:9} {off:16d} {delta:23.2e}")
+        del target, draft
+        torch.cuda.empty_cache()
+    print("verify passes, 1536 wide x 4 layers, context 128, in decode steps (chain | tree of as many rows)")
+    for mode in (QuantMode.NONE, QuantMode.BNB_NF4):
+        model = load(wide_dir, mode, device)
+        if mode is QuantMode.NONE:
+            model = model.to(torch.bfloat16)
+        name = "bf16" if mode is QuantMode.NONE else mode.value
+        print(f"{name:9} {tree_verify_costs(ModelRunner(model, device), device)}")
+        del model
+        torch.cuda.empty_cache()
+    return failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--k", type=int, default=4, help="draft tokens per round")
@@ -355,6 +446,7 @@ def main() -> int:
             torch.cuda.empty_cache()
 
         failures += check_head(target_dir, wide_dir, device, args.tokens)
+        failures += check_trees(target_dir, draft_dir, wide_dir, device, args.k, args.tokens)
 
     print(
         f"\n{'all identities held' if not failures else f'{failures} identity check(s) FAILED'}"
