@@ -183,6 +183,9 @@ class DecodeMetrics:
         )  # position i (1-based) -> rounds with k >= i and accepted >= i-1
         self._passed: Counter[int] = Counter()  # position i -> rounds with accepted >= i
         self._accepted_lengths: Counter[int] = Counter()
+        # draft trees: rounds that verified guesses beside the chain, tokens those gave
+        self.tree_rounds = 0
+        self.second_guesses = 0
         # controller
         self.last_round: RoundEvent | None = None
         self.target_step_ms: float | None = None  # the controller's, from RoundEvent
@@ -255,6 +258,8 @@ class DecodeMetrics:
         self.tokens += 1
         self._turn_tokens += 1
         self.provenance[ev.provenance] += 1
+        if ev.draft_rank is not None and ev.draft_rank > 1:
+            self.second_guesses += 1
         self._pending.append(ev)
         if ev.t and self._first_token_t is None:
             self._first_token_t = ev.t
@@ -291,6 +296,7 @@ class DecodeMetrics:
             self.spec_tokens += n if n else accepted + 1
             self._accepted_lengths[accepted] += 1
             count_round(self._reached, self._passed, ev.k, accepted)
+            self.tree_rounds += ev.siblings > 0
         if ev.mode is Mode.EARLY_EXIT:
             self.exit_mode_tokens += n
         self.round_timings.append(

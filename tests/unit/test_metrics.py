@@ -228,3 +228,15 @@ def test_acceptance_properties(rounds: list[tuple[int, int]]) -> None:
             share *= r or 0.0
             expect = sum(1 for k, a in rounds if min(a, k) >= i) / len(rounds)
             assert math.isclose(share, expect, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def test_draft_trees_are_counted_by_round_and_by_second_guess() -> None:
+    """A tree round (siblings > 0) whose second token came from the draft's second guess."""
+    m = DecodeMetrics()
+    m.observe(TokenEvent(5, "a", Provenance.ACCEPTED, 1, position=0, draft_rank=1))
+    m.observe(TokenEvent(6, "b", Provenance.ACCEPTED, 1, position=1, draft_rank=2))
+    m.observe(TokenEvent(7, "c", Provenance.BONUS, 1, position=2))
+    m.observe(RoundEvent(1, Mode.SPEC, 3, 2, 8.0, 20.0, siblings=2))
+    m.observe(TokenEvent(8, "d", Provenance.CORRECTED, 2, position=0))
+    m.observe(RoundEvent(2, Mode.SPEC, 3, 0, 8.0, 20.0))
+    assert (m.tree_rounds, m.second_guesses, m.spec_rounds) == (1, 1, 2)

@@ -41,6 +41,11 @@ class AcceptancePanel(Panel):
             mode = m.current_mode.value if m.current_mode else last.mode.value
             k = m.current_k
             rows.append(("controller", f"{mode} · K {k if k else '—'}"))
+        if m.tree_rounds:
+            rows.append((
+                "draft trees",
+                f"{m.tree_rounds} of {m.spec_rounds} rounds · {m.second_guesses} tokens from a second guess",
+            ))
         fb = m.last_fallback
         rows.append(("fallback", "none" if fb is None else f"round {fb[0]}: {fb[1]}"))
         parts: list[object] = [key_values(rows)]
