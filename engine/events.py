@@ -50,7 +50,9 @@ class TokenEvent:
     p_draft: float | None = None
     exit_layer: int | None = None  # EARLY_EXIT only
     confidence: float | None = None  # EARLY_EXIT only
-    rejected_id: int | None = None  # CORRECTED only: the refused draft token
+    # CORRECTED: the refused draft token; ACCEPTED from a tree's second guess: the first
+    # guess, the chain's, which the target refused
+    rejected_id: int | None = None
     rejected_text: str | None = None
     t: float = 0.0  # time.perf_counter() at emission
     # A served engine's most likely tokens at this step, (text, probability), best first,

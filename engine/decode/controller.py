@@ -79,8 +79,8 @@ class Controller:
         self._beta_hits = self.BETA0 * self.BETA_TRIALS
         self.tree = tree and cfg.siblings != 0
         # Depths with a second guess: fixed by cfg.siblings, else chosen with K (best()).
-        self.siblings = (cfg.siblings or 0) if self.tree else 0
         self.k = cfg.k if cfg.k is not None else min(max(4, cfg.k_min), cfg.k_max)
+        self.siblings = min(cfg.siblings or 0, self.k) if self.tree else 0
         self.mode = Mode.SPEC
         self._plain_since_probe = 0
         self._probe_after = self.PROBE_AFTER
@@ -194,7 +194,8 @@ class Controller:
             return self.k, self.siblings, 1.0
         options = []
         for k in range(self.cfg.k_min, self.cfg.k_max + 1):
-            depths = range(min(k, self.SIBLINGS_MAX) + 1) if self.choose_siblings else [self.siblings]
+            fixed = min(self.cfg.siblings or 0, k) if self.tree else 0
+            depths = range(min(k, self.SIBLINGS_MAX) + 1) if self.choose_siblings else [fixed]
             for s in depths:
                 speedup = self.speedup(k, s)
                 margin = 1.0 + self.TREE_MARGIN if s and self.choose_siblings else 1.0

@@ -364,13 +364,17 @@ def _tree_round(
     t2 = _now()
 
     kids = children_of(parents)
-    tokens = [
-        emitted(
-            ids[c], Provenance.ACCEPTED, position=j, p_target=packed[j],
-            p_draft=packed[len(rows) + j], draft_rank=kids[rows[j]].index(c) + 1,
+    tokens = []
+    for j, c in enumerate(path):
+        rank = kids[rows[j]].index(c) + 1
+        tokens.append(
+            emitted(
+                ids[c], Provenance.ACCEPTED, position=j, p_target=packed[j],
+                p_draft=packed[len(rows) + j], draft_rank=rank,
+                # a second guess taken: the first, the chain's, was refused
+                rejected_id=ids[kids[rows[j]][0]] if rank > 1 else None,
+            )
         )
-        for j, c in enumerate(path)
-    ]
     n = len(path)
     if walk.bonus:
         tokens.append(emitted(walk.last, Provenance.BONUS, position=n, p_target=packed[n]))

@@ -137,6 +137,7 @@ def test_a_tree_pays_where_verify_rows_are_nearly_free_and_acceptance_is_middlin
     assert off.siblings == 0 and not off.tree  # --siblings 0
     fixed = Controller(DecodeConfig(k=3, siblings=2), steep, tree=True)
     assert (fixed.k, fixed.siblings) == (3, 2)  # forced, whatever it costs
+    assert Controller(DecodeConfig(k=1, siblings=3), steep, tree=True).siblings == 1  # K deep
 
 
 def test_rounds_that_end_on_a_guess_raise_beta_and_refusals_lower_it() -> None:

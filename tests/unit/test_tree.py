@@ -262,8 +262,11 @@ def test_a_spec_turn_with_trees_streams_plains_tokens_and_says_where_guesses_won
     assert tokens[0] == tokens[1] and len(tokens[0]) == 64
     rounds = [e for e in events if isinstance(e, RoundEvent) and e.k == 3]
     assert rounds and all(e.siblings == 2 for e in rounds)
-    ranks = [e.draft_rank for e in events if isinstance(e, TokenEvent) and e.draft_rank]
-    assert 2 in ranks and set(ranks) <= {1, 2}
+    ranked = [e for e in events if isinstance(e, TokenEvent) and e.draft_rank]
+    assert 2 in {e.draft_rank for e in ranked} and {e.draft_rank for e in ranked} <= {1, 2}
+    for e in ranked:  # a second guess names the first, refused; a first guess nothing
+        assert (e.rejected_id is not None) == (e.draft_rank == 2) and e.rejected_id != e.token_id
+        assert (e.rejected_text is not None) == (e.draft_rank == 2)
     assert arm_config(SPEC_CHAIN, cfg).siblings == 0
 
 

@@ -73,7 +73,8 @@ class Inspector(Widget):
             grid.add_row("drafted by", self.round.drafter)
         if tok.draft_rank is not None:
             guess = "its first guess, the chain's" if tok.draft_rank == 1 else (
-                f"its guess no. {tok.draft_rank} at this depth, verified beside the chain's"
+                f"its guess no. {tok.draft_rank} at this depth, verified beside the chain's "
+                "(the refused one below)"
             )
             grid.add_row("draft tree", guess)
         if tok.provenance is Provenance.CORRECTED or tok.rejected_id is not None:
@@ -92,7 +93,8 @@ class Inspector(Widget):
             if rnd.k:
                 desc += f" · K {rnd.k} · accepted {rnd.accepted}"
             if rnd.siblings:
-                desc += f" · a tree: {rnd.siblings} more guesses verified"
+                more = "guess" if rnd.siblings == 1 else "guesses"
+                desc += f" · a tree: {rnd.siblings} more {more} verified"
             grid.add_row("", desc)
             grid.add_row("", f"draft {rnd.draft_ms:.1f} ms · verify {rnd.verify_ms:.1f} ms")
             if rnd.fallback_reason:
