@@ -424,7 +424,8 @@ class ChatSession:
         if cfg.mode is Mode.SPEC:
             if self.drafter is None:
                 return None, "no draft model is loaded: plain decoding"
-            if self._ahead is not None and cfg.ahead and cfg.greedy:
+            # Ahead keeps a chain of its own: a turn that asks for trees drafts serially.
+            if self._ahead is not None and cfg.ahead and cfg.greedy and not cfg.siblings:
                 return self._spec_drafter(cfg, self._ahead), None
             return self._spec_drafter(cfg, self.drafter), None
         if cfg.mode is Mode.SELF_SPEC:

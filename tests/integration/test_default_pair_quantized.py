@@ -38,12 +38,15 @@ def test_greedy_speculative_equals_plain_with_the_default_quantization() -> None
         session.set_ahead(chose)
     assert ahead == plain
     assert a.stats.acceptance_rate is not None and a.stats.acceptance_rate > 0.5
-    # Draft trees: the draft's second guess beside its first three (engine/decode/tree.py).
+    # Draft trees: the draft's second guess beside its first three (engine/decode/tree.py);
+    # a turn that asks for them drafts serially, whatever the way ahead was set to.
+    session.set_ahead(True)
     session.reset()
-    cfg = DecodeConfig(mode=Mode.SPEC, k=3, siblings=3, ahead=False, max_new_tokens=32)
+    cfg = DecodeConfig(mode=Mode.SPEC, k=3, siblings=3, max_new_tokens=32)
     events = list(session.stream(PROMPT, cfg))
     assert [e.token_id for e in events if isinstance(e, TokenEvent)] == plain
     assert any(isinstance(e, RoundEvent) and e.siblings == 3 for e in events)
+    session.set_ahead(chose)
     print(
         f"\n{session.target.info.quant}: plain {p.stats.tokens_per_s:.2f} tok/s, "
         f"spec {s.stats.tokens_per_s:.2f} tok/s, acceptance {s.stats.acceptance_rate:.2f}"
