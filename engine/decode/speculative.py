@@ -276,13 +276,7 @@ def speculative_round(
         p_target_rows = None
     else:
         p_target_rows = logits_to_probs(target_logits, cfg.temperature, cfg.top_k, cfg.top_p)
-        p_draft_rows = (
-            prop.probs.to(dev)
-            if prop.probs is not None
-            else logits_to_probs(draft_logits, cfg.temperature, cfg.top_k, cfg.top_p)
-            if draft_logits is not None
-            else None
-        )
+        p_draft_rows = _draft_probs(prop, draft_logits, cfg)
         n_acc, last = accept_or_resample(p_target_rows, p_draft_rows, d, generator)
     # The emitted chain: d_1..d_n, then the correction or bonus at position n.
     chain = torch.where(positions < n_acc, torch.cat([d, d.new_zeros(1)]), last)  # [k+1]
@@ -311,6 +305,16 @@ def speculative_round(
     drafter.rollback(n0 + n)
     source = (prop.source or drafter.name) if k else None
     return RoundResult(tokens, k, n, (t1 - t0) * 1e3, (t2 - t1) * 1e3, drafter=source)
+
+
+def _draft_probs(prop: Proposal, draft_logits: Tensor | None, cfg: DecodeConfig) -> Tensor | None:
+    """The processed distributions the drafts were sampled from [n, V] (on the logits'
+    device), or None for one-hot drafts."""
+    if prop.probs is not None:
+        return prop.probs.to(draft_logits.device if draft_logits is not None else prop.probs.device)
+    if draft_logits is None:
+        return None
+    return logits_to_probs(draft_logits, cfg.temperature, cfg.top_k, cfg.top_p)
 
 
 def _tree_round(
@@ -342,11 +346,8 @@ def _tree_round(
         walk = walk_greedy(torch.argmax(target_logits, dim=-1).tolist(), ids, parents)
     else:
         p_target_rows = logits_to_probs(target_logits, cfg.temperature, cfg.top_k, cfg.top_p)
-        p_draft_rows = (
-            prop.probs.to(dev)
-            if prop.probs is not None
-            else logits_to_probs(draft_logits, cfg.temperature, cfg.top_k, cfg.top_p)
-        )
+        p_draft_rows = _draft_probs(prop, draft_logits, cfg)
+        assert p_draft_rows is not None
         walk = walk_sampled(p_target_rows, p_draft_rows, ids, parents, generator)
     path = walk.path
     rows = [0] + [c + 1 for c in path]  # the block rows kept; row j scored emitted token j

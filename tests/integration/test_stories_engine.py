@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from specchat.engine.config import DecodeConfig, Mode, ModelSpec
 from specchat.engine.decode.session import ChatSession
@@ -36,6 +37,17 @@ def run(session: ChatSession, prompt: str, cfg: DecodeConfig) -> tuple[list[int]
     return ids, fin
 
 
+def plain_then_pair(
+    stories: tuple, draft: torch.nn.Module, prompt: str
+) -> tuple[list[int], ChatSession]:
+    """Plain's 48 greedy tokens for prompt, and a fresh session of the model and draft."""
+    model, tok = stories
+    plain, _ = run(
+        ChatSession(loaded(model, tokenizer=tok)), prompt, DecodeConfig(mode=Mode.PLAIN, max_new_tokens=48)
+    )
+    return plain, ChatSession(loaded(model, tokenizer=tok), loaded(draft, "draft", tokenizer=tok))
+
+
 @pytest.mark.parametrize("draft_layers", [1, 4])
 @pytest.mark.parametrize("k", [2, 4, None])
 def test_greedy_spec_equals_plain_on_real_weights(
@@ -45,12 +57,7 @@ def test_greedy_spec_equals_plain_on_real_weights(
     draft = layer_truncated(model, draft_layers)
     accepted = drafted = 0
     for prompt in PROMPTS:
-        plain, _ = run(
-            ChatSession(loaded(model, tokenizer=tok)),
-            prompt,
-            DecodeConfig(mode=Mode.PLAIN, max_new_tokens=48),
-        )
-        session = ChatSession(loaded(model, tokenizer=tok), loaded(draft, "draft", tokenizer=tok))
+        plain, session = plain_then_pair(stories, draft, prompt)
         spec, fin = run(session, prompt, DecodeConfig(mode=Mode.SPEC, k=k, max_new_tokens=48))
         assert spec == plain, prompt
         accepted += fin.stats.accepted
@@ -70,12 +77,7 @@ def test_greedy_draft_trees_equal_plain_on_real_weights(stories: tuple) -> None:
     draft = layer_truncated(model, 4)
     guesses = 0
     for prompt in PROMPTS:
-        plain, _ = run(
-            ChatSession(loaded(model, tokenizer=tok)),
-            prompt,
-            DecodeConfig(mode=Mode.PLAIN, max_new_tokens=48),
-        )
-        session = ChatSession(loaded(model, tokenizer=tok), loaded(draft, "draft", tokenizer=tok))
+        plain, session = plain_then_pair(stories, draft, prompt)
         cfg = DecodeConfig(mode=Mode.SPEC, k=3, siblings=3, compose=False, max_new_tokens=48)
         events = list(session.stream(prompt, cfg))
         assert [e.token_id for e in events if isinstance(e, TokenEvent)] == plain, prompt
