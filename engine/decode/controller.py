@@ -31,6 +31,7 @@ from dataclasses import replace
 
 from ..config import DecodeConfig, Mode
 from ..metrics import expected_speedup, expected_tokens_tree
+from ..model.attention import MAX_ROWWISE
 from .costs import Costs
 
 
@@ -80,7 +81,7 @@ class Controller:
         self.tree = tree and cfg.siblings != 0
         # Depths with a second guess: fixed by cfg.siblings, else chosen with K (best()).
         self.k = cfg.k if cfg.k is not None else min(max(4, cfg.k_min), cfg.k_max)
-        self.siblings = min(cfg.siblings or 0, self.k) if self.tree else 0
+        self.siblings = self._fixed_siblings(self.k)
         self.mode = Mode.SPEC
         self._plain_since_probe = 0
         self._probe_after = self.PROBE_AFTER
@@ -126,9 +127,13 @@ class Controller:
             return Mode.PLAIN, 0
         return Mode.SPEC, self.k
 
-    def use_costs(self, costs: Costs) -> None:
-        """Price the next rounds with other costs (the draft ahead or serial), K re-planned."""
+    def use_costs(self, costs: Costs, tree: bool | None = None) -> None:
+        """Price the next rounds with other costs (the draft ahead or serial), and say
+        whether their drafter can draft trees (None: as before); K re-planned."""
         self.costs = costs
+        if tree is not None:
+            self.tree = tree and self.cfg.siblings != 0
+            self.siblings = self._fixed_siblings(self.k)
         if self.adaptive:
             self._replan()
 
@@ -148,16 +153,20 @@ class Controller:
         verify_ms: float,
         siblings: int = 0,
         off_chain: bool = False,
+        guessed: bool | None = None,
     ) -> None:
         """Update α, β and the costs from one speculative round, then re-plan. A tree's
         round: `siblings` guesses verified beside the k drafts, `off_chain` when the
-        accepted path ended on one (then `accepted` counts it)."""
+        accepted path ended on one (then `accepted` counts it), `guessed` whether the
+        depth the chain was refused at had one (None: where siblings sit at depths 1..S)."""
         chain = accepted - int(off_chain)  # the chain's own drafts the target accepted
         # The round's draft tokens in order: the accepted ones, then the rejected one.
         for hit in [1.0] * chain + [0.0] * (chain < k):
             self._acc = self.MEMORY * self._acc + hit
             self._trials = self.MEMORY * self._trials + 1.0
-        if siblings and chain < min(k, siblings):  # the refused depth had a second guess
+        if guessed is None:
+            guessed = bool(siblings) and chain < min(k, siblings)
+        if guessed:  # the refused depth had a second guess
             self._beta_hits = self.MEMORY * self._beta_hits + float(off_chain)
             self._beta_trials = self.MEMORY * self._beta_trials + 1.0
         if k > 0:
@@ -188,20 +197,30 @@ class Controller:
         tokens = expected_tokens_tree(alpha, k, self.beta, siblings)
         return tokens / (k * c + self.costs.verify_ratio(k + siblings))
 
+    def _fixed_siblings(self, k: int) -> int:
+        """cfg.siblings where trees may be drafted (or 0), as deep as K and a verify pass
+        of MAX_ROWWISE rows allow."""
+        if not self.tree:
+            return 0
+        return max(0, min(self.cfg.siblings or 0, k, MAX_ROWWISE - 1 - k))
+
+    def _score(self, k: int, siblings: int) -> float:
+        """What a plan is chosen by: its expected speedup, a tree's less the margin."""
+        margin = 1.0 + self.TREE_MARGIN if siblings and self.choose_siblings else 1.0
+        return self.speedup(k, siblings) / margin
+
     def _plan(self) -> tuple[int, int, float]:
-        """(K, siblings, expected speedup): the best within the config's bounds."""
+        """(K, siblings, expected speedup): the best within the config's bounds (a verify
+        pass of at most MAX_ROWWISE rows)."""
         if self.costs.ratio() is None:
             return self.k, self.siblings, 1.0
         options = []
         for k in range(self.cfg.k_min, self.cfg.k_max + 1):
-            fixed = min(self.cfg.siblings or 0, k) if self.tree else 0
-            depths = range(min(k, self.SIBLINGS_MAX) + 1) if self.choose_siblings else [fixed]
-            for s in depths:
-                speedup = self.speedup(k, s)
-                margin = 1.0 + self.TREE_MARGIN if s and self.choose_siblings else 1.0
-                options.append((speedup / margin, -s, k, speedup))
-        _, minus_s, k, best = max(options)  # ties: fewer siblings
-        return k, -minus_s, best
+            most = min(k, self.SIBLINGS_MAX, MAX_ROWWISE - 1 - k)
+            depths = range(max(most, 0) + 1) if self.choose_siblings else [self._fixed_siblings(k)]
+            options += [(self._score(k, s), -s, k) for s in depths]
+        _, minus_s, k = max(options)  # ties: fewer siblings
+        return k, -minus_s, self.speedup(k, -minus_s)
 
     def _replan(self) -> None:
         c = self.costs.ratio()
@@ -231,7 +250,7 @@ class Controller:
                 f"speculation pays again: {s:.2f}x expected at K={_shape(k, sib)} ({facts})"
             )
         elif (k, sib) != (self.k, self.siblings):
-            if s < self.speedup(self.k, self.siblings) * (1 + self.HYSTERESIS):
+            if self._score(k, sib) < self._score(self.k, self.siblings) * (1 + self.HYSTERESIS):
                 return  # not worth a change: K would flap on noise
             self._pending_reason = (
                 f"K {_shape(self.k, self.siblings)}->{_shape(k, sib)}: expected speedup "

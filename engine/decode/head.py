@@ -127,7 +127,9 @@ class HeadDrafter:
         """Keep rows of confirmed positions j < n - 1 (their next token is seq[j + 1])."""
         self.confirmed = min(self.confirmed, max(n - 1, 0))
         self.cache.crop(self.confirmed)
-        self.fresh = min(self.fresh, n)
+        # The target's features stay valid as far as its cache reaches: after a tree's
+        # round that ended on a second guess, past the chain's part the head keeps.
+        self.fresh = min(self.fresh, max(n, self.target.cached))
 
     def reset(self) -> None:
         self.cache = HeadCache()

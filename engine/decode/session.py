@@ -595,8 +595,10 @@ class ChatSession:
             drafter=drafter,
             composed=composed,
             early_exit=early_exit,
-            controller=Controller(
-                cfg, self._costs_for(run_mode, ahead is not None), tree=self._takes_trees(run_mode)
+            controller=Controller(  # the draft ahead keeps a chain of its own
+                cfg,
+                self._costs_for(run_mode, ahead is not None),
+                tree=self._takes_trees(run_mode) and ahead is None,
             ),
             copier=(
                 Controller(cfg, self._costs_for(Mode.LOOKUP, ahead is not None))
@@ -673,7 +675,8 @@ class ChatSession:
             )
             if res.k:
                 ctl.observe_round(
-                    res.k, res.accepted, res.draft_ms, res.verify_ms, res.siblings, res.off_chain
+                    res.k, res.accepted, res.draft_ms, res.verify_ms, res.siblings, res.off_chain,
+                    res.guessed if res.siblings else None,
                 )
                 round_mode = turn.run_mode
             else:  # a lookup that found nothing: the round was a plain step
@@ -729,7 +732,9 @@ class ChatSession:
         turn.ahead_on = want
         turn.drafter = drafter
         turn.composed = drafter if isinstance(drafter, ComposedDrafter) else None
-        turn.controller.use_costs(self._costs_for(turn.run_mode, want))
+        turn.controller.use_costs(
+            self._costs_for(turn.run_mode, want), tree=self._takes_trees(turn.run_mode) and not want
+        )
         if turn.copier is not None:
             turn.copier.use_costs(self._costs_for(Mode.LOOKUP, want))
         turn.switch_at = turn.tally.rounds + self.AHEAD_SWITCH_ROUNDS

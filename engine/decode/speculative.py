@@ -61,6 +61,7 @@ class RoundResult:
     drafter: str | None = None  # who proposed the drafts (k > 0)
     siblings: int = 0  # a tree's guesses beside the k chain drafts (engine/decode/tree.py)
     off_chain: bool = False  # the accepted path ended on one of them
+    guessed: bool = False  # the depth the chain was refused at had one (tried, taken or not)
 
 
 @dataclass(slots=True)
@@ -393,6 +394,7 @@ def _tree_round(
     return RoundResult(
         tokens, k, n, (t1 - t0) * 1e3, (t2 - t1) * 1e3, drafter=prop.source or drafter.name,
         siblings=len(parents) - k, off_chain=chain_prefix(path) < n,
+        guessed=chain_prefix(path) < n or (not walk.bonus and len(kids[walk.row]) > 1),
     )
 
 

@@ -121,9 +121,9 @@ class ModelRunner:
 
     @property
     def scores_trees(self) -> bool:
-        """Whether this model can verify draft trees: through its native decoder, or its
-        modules' row-wise attention (model/attention.py), each row over its own path."""
-        return self.native is not None or self.model.config._attn_implementation == ROWWISE
+        """Whether this model can verify draft trees: its row-wise attention (model/attention.py,
+        and the native decoder, which takes it only then) scores each row over its own path."""
+        return bool(self.model.config._attn_implementation == ROWWISE)
 
     def takes_tree(self, n: int) -> bool:
         """Whether a draft tree of n rows can be verified now (after the conversation's

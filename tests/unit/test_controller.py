@@ -165,3 +165,23 @@ def test_the_load_says_up_to_which_acceptance_trees_pay() -> None:
 
     assert trees_pay_below(Costs(100, 10, 0.01)) == pytest.approx(0.68)
     assert trees_pay_below(Costs(100, 44, 0.3, {1: 1.15, 2: 1.55, 3: 1.61, 4: 2.22})) is None
+
+
+def test_trees_follow_the_drafter_and_the_verify_pass_bound() -> None:
+    """A turn that drafts ahead plans chains (the draft ahead keeps a chain of its own), and
+    takes trees again when it drafts serially; a forced --siblings stops where a verify
+    pass would pass MAX_ROWWISE rows; the hysteresis compares what plans are chosen by."""
+    from specchat.engine.model.attention import MAX_ROWWISE
+
+    flat = Costs(100, 10, 0.01)
+    ctrl = Controller(DecodeConfig(), flat, alpha0=0.5, tree=True)
+    assert ctrl.siblings >= 1
+    ctrl.use_costs(Costs(100, 10, 0.01), tree=False)  # the draft now runs ahead
+    assert ctrl.siblings == 0 and not ctrl.tree
+    ctrl.use_costs(Costs(100, 10, 0.01), tree=True)  # serial again
+    assert ctrl.tree and ctrl.siblings >= 1
+    deep = Controller(DecodeConfig(k=MAX_ROWWISE - 2, siblings=8), flat, tree=True)
+    assert deep.siblings == 1  # 1 + K + 1 rows
+    off = Controller(DecodeConfig(siblings=0), flat, alpha0=0.5, tree=True)
+    off.use_costs(Costs(100, 10, 0.01), tree=True)
+    assert not off.tree and off.siblings == 0  # --siblings 0 holds

@@ -288,3 +288,30 @@ def test_greedy_eagle_with_trees_decodes_what_plain_decodes() -> None:
         ids = [[e.token_id for e in ev if isinstance(e, TokenEvent)] for ev in (events, plain)]
         assert ids[0] == ids[1]
         assert any(isinstance(e, RoundEvent) and e.siblings == 2 for e in events)
+
+
+def test_a_head_keeps_the_features_of_a_path_that_ended_on_a_second_guess() -> None:
+    """After a tree round the target's cache holds the whole accepted path, and its features
+    came with keep_path; the head's rollback to the chain's part must not drop them (else
+    its catch_up runs the target again over the guess, a pass the round never priced)."""
+    from specchat.engine.decode.head import HeadDrafter
+    from tests.tinymodels import chatml_tokenizer
+    from tests.unit.test_eagle_head import random_head
+
+    target = tiny_llama(seed=0, layers=4, tokenizer=chatml_tokenizer())
+    runner = ModelRunner(target, CPU)
+    native_or_skip(runner)
+    drafter = HeadDrafter(random_head(target), runner)
+    seq = list(range(3, 15))
+    runner.prefill(seq)  # features for seq[:-1]
+    base = runner.cached
+    runner.feed_tree(torch.tensor([seq[-1], 40, 41, 50]), (-1, 0, 1, 0))
+    runner.keep_path(base, [0, 3])  # the path: the guess beside the first draft
+    assert drafter.fresh == runner.cached == base + 2
+    drafter.rollback(len(seq) + 0)  # the chain's part of the path: none of its drafts
+    assert drafter.fresh == runner.cached  # the guess's features stay
+    passes = []
+    real = runner.feed
+    runner.feed = lambda *a, **kw: passes.append(a) or real(*a, **kw)  # type: ignore[method-assign]
+    drafter.catch_up([*seq, 50, 7])
+    assert passes == []  # no target pass: the features were there
