@@ -40,7 +40,7 @@ def add_parser(sub: Any) -> None:
         default=None,
         help="the head's MLP width (default: the target's, at most twice its hidden size)",
     )
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument("--lr", type=float, default=3e-4, help="learning rate (default 3e-4)")
     p.add_argument(
         "--reply-tokens", type=int, default=128, help="tokens of each target reply (default 128)"
     )
