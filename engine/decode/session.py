@@ -116,6 +116,9 @@ class ChatSession:
         self._unfinished = 0  # tokens at the end of the last reply whose text is not out yet
         self.turn = 0
         self.costs = Costs()
+        # The siblings the user's configuration forces (--siblings S), for the Ready line
+        # on trees; None: the controller chooses.
+        self.forced_siblings: int | None = None
         self._mode_costs: dict[tuple[Mode, bool], Costs] = {}  # self-spec, lookup: see _costs_for
         notes: list[str] = []
         if not self.has_template:
@@ -142,10 +145,12 @@ class ChatSession:
         max_context: int | None = None,
         measure: bool = True,
         draft_head: str | None = "auto",
+        siblings: int | None = None,
     ) -> ChatSession:
         """Load the models (fetching presets as needed) and the draft head (`draft_head`:
         a folder or hub id, "auto" for the one trained here for this target, None or
-        "none" for no head). Raises EngineError."""
+        "none" for no head). `siblings`: the user's forced --siblings, which the Ready
+        line on trees then states. Raises EngineError."""
         set_threads(threads)
         t0 = time.perf_counter()
         tgt = load_model(target, "target", cache_dir=cache_dir, progress=progress)
@@ -161,6 +166,9 @@ class ChatSession:
             load_seconds=time.perf_counter() - t0,
             head=head,
         )
+        if siblings is not None:
+            session.forced_siblings = siblings
+            session.ready = session._make_ready()
         if head_note:
             session._notes.append(head_note)
             if measure:
@@ -219,6 +227,15 @@ class ChatSession:
         """Whether spec's draft model may verify trees here, and from which acceptance down."""
         if not self._takes_trees(Mode.SPEC):
             return "draft trees off: the target's attention cannot score a tree's rows by their paths"
+        if self.forced_siblings == 0:
+            return "draft trees off (--siblings 0): spec verifies chains of drafts only"
+        if self.forced_siblings is not None:
+            depths = "depth 1" if self.forced_siblings == 1 else f"depths 1..{self.forced_siblings}"
+            return (
+                f"draft trees forced (--siblings {self.forced_siblings}): every round the draft "
+                f"model drafts verifies its second guess beside its first drafts at {depths}, "
+                "whatever the measured costs say"
+            )
         below = trees_pay_below(self.costs) if self.costs.ratio() is not None else None
         where = (
             f"where acceptance is at most {below:.2f} at these costs"

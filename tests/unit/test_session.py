@@ -231,6 +231,23 @@ def test_no_chat_template_is_stated(target: torch.nn.Module) -> None:
     assert any("no chat template" in n for n in s.ready.notes)
 
 
+def test_ready_states_forced_siblings(target: torch.nn.Module) -> None:
+    """The Ready line on trees says what --siblings forces, not what the controller would
+    choose at the measured costs."""
+    s = make(target)
+
+    def trees() -> str:
+        return next(n for n in s.ready.notes if n.startswith("draft trees"))
+
+    if trees().startswith("draft trees off: the target's attention"):
+        pytest.skip("this target's attention scores no trees")
+    assert "--siblings 0: chains only" in trees()  # the controller's choice, and the way out
+    for forced, said in [(0, "off (--siblings 0)"), (1, "at depth 1,"), (3, "at depths 1..3,")]:
+        s.forced_siblings = forced
+        s.ready = s._make_ready()
+        assert said in trees() and "acceptance is at most" not in trees()
+
+
 def test_a_cpu_target_without_the_native_decoder_says_why(
     target: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -69,7 +69,7 @@ def _server_loader(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return load
 
 
-def _engine_loader(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _engine_loader(args: argparse.Namespace, siblings: int | None = None):  # type: ignore[no-untyped-def]
     def load(progress):  # type: ignore[no-untyped-def]
         from specchat.engine.errors import EngineError
 
@@ -99,6 +99,7 @@ def _engine_loader(args: argparse.Namespace):  # type: ignore[no-untyped-def]
             progress=progress,
             threads=args.threads,
             draft_head=getattr(args, "draft_head", "auto"),
+            siblings=siblings,
         )
 
     return load
@@ -132,7 +133,7 @@ def build_app(args: argparse.Namespace):  # type: ignore[no-untyped-def]
             args.target = settings.target
             if args.draft is None and settings.draft:
                 args.draft = settings.draft
-        loader = _engine_loader(args)
+        loader = _engine_loader(args, decode.siblings)
         label = f"loading {args.target or 'the default pair'}…"
 
     observer = None
