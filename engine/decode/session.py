@@ -73,6 +73,7 @@ class ChatSession:
         max_context: int | None = None,
         load_seconds: float = 0.0,
         head: EagleHead | None = None,
+        forced_siblings: int | None = None,
     ) -> None:
         self.target = target
         self.draft = draft
@@ -118,7 +119,7 @@ class ChatSession:
         self.costs = Costs()
         # The siblings the user's configuration forces (--siblings S), for the Ready line
         # on trees; None: the controller chooses.
-        self.forced_siblings: int | None = None
+        self.forced_siblings = forced_siblings
         self._mode_costs: dict[tuple[Mode, bool], Costs] = {}  # self-spec, lookup: see _costs_for
         notes: list[str] = []
         if not self.has_template:
@@ -165,10 +166,8 @@ class ChatSession:
             max_context=max_context,
             load_seconds=time.perf_counter() - t0,
             head=head,
+            forced_siblings=siblings,
         )
-        if siblings is not None:
-            session.forced_siblings = siblings
-            session.ready = session._make_ready()
         if head_note:
             session._notes.append(head_note)
             if measure:
