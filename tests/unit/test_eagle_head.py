@@ -299,8 +299,9 @@ def test_ctrl_c_while_collecting_keeps_what_was_collected(target, tmp_path: Path
     seqs, state = _load_data(tmp_path / "data.pt")
     assert seqs and all(q.feats is not None for q in seqs)
     held = sum(q.held_out for q in seqs)
-    # Stopped at the sixth check: up to five held-out replies, no training prompt asked yet.
-    assert 1 <= held <= 5 and len(seqs) == held and state["asked"] == 0
+    # Stopped at the sixth check, before the sixth held-out prompt: the five replies asked
+    # before it are kept, and no training prompt was asked yet.
+    assert calls["n"] == 6 and held == 5 and len(seqs) == held and state["asked"] == 0
     said: list[str] = []
     more = collect(tgt, opts, tmp_path, budget, lambda _e: None, said.append, lambda: False)
     assert len(more) > len(seqs) and any("resuming" in s for s in said)
