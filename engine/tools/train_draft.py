@@ -56,6 +56,18 @@ from .train_prompts import PROMPTS, split
 
 TTT_STEPS = 3
 EVAL_K = 6
+WARMUP_STEPS = 50
+
+
+def learning_rate(base: float, step: int, progress: float, decay: float) -> float:
+    """The rate for this run's step-th optimizer step: a linear warm-up over WARMUP_STEPS,
+    constant, then linear to zero over the last `decay` share of the run (progress in
+    [0, 1]: the share spent of the time, or steps, this run has for training)."""
+    warm = min(1.0, (step + 1) / WARMUP_STEPS)
+    left = 1.0 - min(max(progress, 0.0), 1.0)
+    return base * warm * (min(1.0, left / decay) if decay > 0 else 1.0)
+
+
 WORK = "work"
 
 Progress = Callable[[LoadProgress], None]
@@ -70,6 +82,9 @@ class TrainOptions:
     # the target on 16.3% of held-out first drafts after 6 minutes, against 5.8% at 1e-3
     # (docs/draft-head.md, "The learning rate").
     lr: float = 3e-4
+    # The last share of the training time decays the learning rate linearly to zero (a
+    # warm-up, a constant rate, then a decay: WSD); 0 keeps it constant to the end.
+    decay: float = 0.2
     max_len: int = 640  # tokens per training sequence
     reply_tokens: int = 128
     max_steps: int | None = None  # tests: stop after this many optimizer steps
@@ -538,6 +553,10 @@ def train(
     last_eval = time.monotonic()
     trained_tokens = 0
     t_train = time.monotonic()
+    # Warm-up and decay run over this run's own steps and time: a run that resumes from a
+    # decayed checkpoint warms up to the full rate again and decays again at its end.
+    train_end = budget.end - _validation_room(budget)
+    first_step = step
 
     def checkpoint() -> None:
         torch.save({
@@ -558,10 +577,14 @@ def train(
         while not stopped():
             if opts.max_steps is not None and step >= opts.max_steps:
                 break
-            if opts.max_steps is None and time.monotonic() > budget.end - _validation_room(budget):
+            if opts.max_steps is None and time.monotonic() > train_end:
                 break
             q = trainset[order.randrange(len(trainset))]
-            lr = opts.lr * min(1.0, (step + 1) / 50)  # a short warm-up
+            if opts.max_steps is not None:
+                progress = (step - first_step) / max(opts.max_steps - first_step, 1)
+            else:
+                progress = (time.monotonic() - t_train) / max(train_end - t_train, 1e-9)
+            lr = learning_rate(opts.lr, step - first_step, progress, opts.decay)
             for g in optim.param_groups:
                 g["lr"] = lr
             with torch.autocast(target.device.type, dtype=amp) if amp else contextlib.nullcontext():

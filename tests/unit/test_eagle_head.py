@@ -22,6 +22,7 @@ from specchat.engine.tools.train_draft import (
     TrainOptions,
     featurize,
     label_logits,
+    learning_rate,
     new_head,
     train,
     validate,
@@ -221,6 +222,14 @@ def test_sampled_eagle_follows_the_target_distribution_at_every_position(target,
         assert chisquare(counts, expected).pvalue > 0.001, (depth, len(seen))
 
 
+def test_the_training_loop_ends_at_the_decayed_rate(trained) -> None:
+    """The checkpoint's optimizer holds the rate of the last step: 60 steps with the
+    default decay over the last 12, so its last step ran at 1/12 of --lr."""
+    _tgt, opts, _result = trained
+    ckpt = torch.load(opts.out / "work" / "checkpoint.pt", weights_only=False)
+    assert ckpt["optim"]["param_groups"][0]["lr"] == pytest.approx(opts.lr * (1 / 60) / 0.2)
+
+
 def test_training_through_train_draft_accepts_more_than_a_random_head(trained) -> None:
     """The held-out replies' first-draft acceptance after 60 steps must beat the
     untrained head's by 0.1 or more (seed 0; measured on this tiny model: 0.16 before,
@@ -240,6 +249,17 @@ def test_training_through_train_draft_accepts_more_than_a_random_head(trained) -
     train(tgt, TrainOptions(**{**vars(opts), "max_steps": 65}), say=said.append)
     assert any("resuming training at step 60" in s for s in said), said
     assert load_head(folder, target_sha256=weights_id(tgt)).config.target_sha256 == weights_id(tgt)
+
+
+def test_learning_rate_warms_up_holds_then_decays_to_zero_over_the_last_share() -> None:
+    base = 3e-4
+    assert learning_rate(base, 0, 0.0, 0.2) == pytest.approx(base / 50)
+    assert learning_rate(base, 49, 0.1, 0.2) == pytest.approx(base)
+    assert learning_rate(base, 500, 0.8, 0.2) == pytest.approx(base)
+    assert learning_rate(base, 500, 0.9, 0.2) == pytest.approx(base / 2)
+    assert learning_rate(base, 500, 1.0, 0.2) == 0.0
+    assert learning_rate(base, 500, 1.3, 0.2) == 0.0  # past the budget: still zero, never negative
+    assert learning_rate(base, 500, 0.99, 0.0) == pytest.approx(base)  # --decay 0: constant
 
 
 def test_featurize_keeps_what_gives_the_target_logits_back(target) -> None:

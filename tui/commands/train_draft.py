@@ -42,6 +42,14 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--lr", type=float, default=3e-4, help="learning rate (default 3e-4)")
     p.add_argument(
+        "--decay",
+        type=float,
+        default=0.2,
+        metavar="SHARE",
+        help="the last SHARE of the training time takes the learning rate linearly to zero "
+        "(default 0.2; 0: constant to the end)",
+    )
+    p.add_argument(
         "--reply-tokens", type=int, default=128, help="tokens of each target reply (default 128)"
     )
     p.add_argument(
@@ -65,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.minutes <= 0:
         return common.fail(f"--minutes must be > 0, got {args.minutes}")
+    if not 0 <= args.decay <= 1:
+        return common.fail(f"--decay must be between 0 and 1, got {args.decay}")
     if args.head_vocab < 1:
         return common.fail(f"--head-vocab must be >= 1, got {args.head_vocab}")
     last: dict[str, str] = {}
@@ -99,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
                 draft_vocab=args.head_vocab,
                 intermediate=args.intermediate,
                 lr=args.lr,
+                decay=args.decay,
                 reply_tokens=args.reply_tokens,
                 collect=args.collect,
                 seed=args.seed,
