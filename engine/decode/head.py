@@ -22,7 +22,7 @@ from ..model.eagle import EagleHead, HeadCache
 from ..model.eagle_io import find_head, for_decoding, load_head
 from ..model.runner import ModelRunner
 from ..weights.loading import LoadedModel
-from .speculative import Proposal, draft_chain
+from .speculative import ModelDrafter, Proposal, draft_chain
 
 
 class HeadDrafter:
@@ -69,6 +69,8 @@ class HeadDrafter:
         # Head rows from position start - 1 on were fed features that are now replaced.
         self.confirmed = min(self.confirmed, max(start - 1, 0))
 
+    PENDING_IN_PROPOSE = ModelDrafter.PENDING_IN_PROPOSE
+
     def catch_up(self, seq: list[int]) -> None:
         """Where the target's cache holds positions whose features were never captured
         (turns decoded another way), recompute them: a one-off target pass, untimed."""
@@ -78,9 +80,12 @@ class HeadDrafter:
             self.target.crop_to(valid)
         if valid < need:
             self.target.prefill(seq)
-        # Rows the head has not seen (a prompt, a copied stretch) go in here, untimed, all
-        # but the last: the controller reads a round's draft time as K draft steps.
-        if need - 1 > min(self.cache.cached, self.confirmed):
+        # A long stretch of rows the head has not seen (a prompt, a copy, plain rounds) goes
+        # in here, untimed, all but the last. The rows a round leaves (its last accepted
+        # draft and the target's token) go in propose's first pass: one head pass over 2
+        # rows costs about one over 1, and feeding one of them here cost a second pass a
+        # round that no timer saw (5.8 ms a K = 1 round on a Zen 3, a head step 5.5 ms).
+        if need - min(self.cache.cached, self.confirmed) > self.PENDING_IN_PROPOSE:
             self._feed(seq, need - 1)
 
     @torch.inference_mode()

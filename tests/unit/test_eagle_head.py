@@ -40,11 +40,12 @@ def target() -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def trained(target, tmp_path_factory):  # type: ignore[no-untyped-def]
-    """A head trained 60 optimizer steps (seed 0) through train-draft's own code path."""
+    """A head trained 60 optimizer steps (seed 0) through train-draft's own code path,
+    the learning rate decaying over the last 12."""
     folder = tmp_path_factory.mktemp("head")
     tgt = loaded(target, tokenizer=chatml_tokenizer())
     opts = TrainOptions(minutes=5, max_steps=60, reply_tokens=24, max_texts=30, draft_vocab=64,
-                        out=folder, eval_every_s=1e9)
+                        out=folder, eval_every_s=1e9, decay=0.2)
     return tgt, opts, train(tgt, opts)
 
 
@@ -223,8 +224,8 @@ def test_sampled_eagle_follows_the_target_distribution_at_every_position(target,
 
 
 def test_the_training_loop_ends_at_the_decayed_rate(trained) -> None:
-    """The checkpoint's optimizer holds the rate of the last step: 60 steps with the
-    default decay over the last 12, so its last step ran at 1/12 of --lr."""
+    """The checkpoint's optimizer holds the rate of the last step: 60 steps with a decay
+    over the last 0.2 of them (12), so its last step ran at 1/12 of --lr."""
     _tgt, opts, _result = trained
     ckpt = torch.load(opts.out / "work" / "checkpoint.pt", weights_only=False)
     assert ckpt["optim"]["param_groups"][0]["lr"] == pytest.approx(opts.lr * (1 / 60) / 0.2)

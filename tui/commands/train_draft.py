@@ -44,10 +44,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--decay",
         type=float,
-        default=0.2,
+        default=0.0,
         metavar="SHARE",
         help="the last SHARE of the training time takes the learning rate linearly to zero "
-        "(default 0.2; 0: constant to the end)",
+        "(default 0: constant to the end)",
     )
     p.add_argument(
         "--reply-tokens", type=int, default=128, help="tokens of each target reply (default 128)"
