@@ -583,10 +583,10 @@ def train(
                 break
             q = trainset[order.randrange(len(trainset))]
             if opts.max_steps is not None:
-                progress = (step - first_step) / max(opts.max_steps - first_step, 1)
+                spent = (step - first_step) / max(opts.max_steps - first_step, 1)
             else:
-                progress = (time.monotonic() - t_train) / max(train_end - t_train, 1e-9)
-            lr = learning_rate(opts.lr, step - first_step, progress, opts.decay)
+                spent = (time.monotonic() - t_train) / max(train_end - t_train, 1e-9)
+            lr = learning_rate(opts.lr, step - first_step, spent, opts.decay)
             for g in optim.param_groups:
                 g["lr"] = lr
             with torch.autocast(target.device.type, dtype=amp) if amp else contextlib.nullcontext():
