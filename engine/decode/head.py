@@ -28,6 +28,8 @@ from .speculative import ModelDrafter, Proposal, draft_chain
 class HeadDrafter:
     """An `EagleHead` over a target runner; implements `Drafter`."""
 
+    PENDING_IN_PROPOSE = ModelDrafter.PENDING_IN_PROPOSE  # rows a round leaves: see catch_up
+
     def __init__(self, head: EagleHead, target: ModelRunner, name: str = "draft head") -> None:
         self.head = head
         self.target = target
@@ -68,8 +70,6 @@ class HeadDrafter:
             self.fresh = start + n  # later positions were cropped from the target
         # Head rows from position start - 1 on were fed features that are now replaced.
         self.confirmed = min(self.confirmed, max(start - 1, 0))
-
-    PENDING_IN_PROPOSE = ModelDrafter.PENDING_IN_PROPOSE
 
     def catch_up(self, seq: list[int]) -> None:
         """Where the target's cache holds positions whose features were never captured

@@ -59,15 +59,6 @@ EVAL_K = 6
 WARMUP_STEPS = 50
 
 
-def learning_rate(base: float, step: int, progress: float, decay: float) -> float:
-    """The rate for this run's step-th optimizer step: a linear warm-up over WARMUP_STEPS,
-    constant, then linear to zero over the last `decay` share of the run (progress in
-    [0, 1]: the share spent of the time, or steps, this run has for training)."""
-    warm = min(1.0, (step + 1) / WARMUP_STEPS)
-    left = 1.0 - min(max(progress, 0.0), 1.0)
-    return base * warm * (min(1.0, left / decay) if decay > 0 else 1.0)
-
-
 WORK = "work"
 
 Progress = Callable[[LoadProgress], None]
@@ -234,6 +225,15 @@ def draft_vocabulary(seqs: list[Sequence], size: int, vocab: int) -> Tensor:
 
 
 # -- 4: training ----------------------------------------------------------------------------
+
+
+def learning_rate(base: float, step: int, progress: float, decay: float) -> float:
+    """The rate for this run's step-th optimizer step: a linear warm-up over WARMUP_STEPS,
+    constant, then linear to zero over the last `decay` share of the run (progress in
+    [0, 1]: the share spent of the time, or steps, this run has for training)."""
+    warm = min(1.0, (step + 1) / WARMUP_STEPS)
+    left = 1.0 - min(max(progress, 0.0), 1.0)
+    return base * warm * (min(1.0, left / decay) if decay > 0 else 1.0)
 
 
 def new_config(target: LoadedModel, opts: TrainOptions, draft_vocab: int, sha: str) -> HeadConfig:
