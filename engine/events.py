@@ -91,6 +91,9 @@ class RoundEvent:
     # A draft tree's round: the draft's other guesses verified beside its k drafts
     # (engine/decode/tree.py); 0 for a chain.
     siblings: int = 0
+    # The draft reading what it missed (a copy's tokens, a plain stretch) before this
+    # round's drafts: a pass outside draft_ms; 0 when it had nothing to read.
+    catch_up_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

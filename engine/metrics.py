@@ -149,6 +149,7 @@ class RoundTiming:
     tokens: int
     draft_ms: float
     verify_ms: float
+    catch_up_ms: float = 0.0
 
 
 class DecodeMetrics:
@@ -300,7 +301,9 @@ class DecodeMetrics:
         if ev.mode is Mode.EARLY_EXIT:
             self.exit_mode_tokens += n
         self.round_timings.append(
-            RoundTiming(ev.round, ev.mode, ev.k, ev.accepted, n, ev.draft_ms, ev.verify_ms)
+            RoundTiming(
+                ev.round, ev.mode, ev.k, ev.accepted, n, ev.draft_ms, ev.verify_ms, ev.catch_up_ms
+            )
         )
         # per-token latency
         if n:

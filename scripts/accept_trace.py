@@ -304,7 +304,7 @@ def replay_full_tree(
     return len(rank) / cost
 
 
-COMPOSE_POLICIES = ("model", "lookup", "composed", "composed+trees")
+COMPOSE_POLICIES = ("model", "lookup", "composed-unpriced", "composed", "composed+trees")
 
 
 def replay_composed(
@@ -318,7 +318,8 @@ def replay_composed(
     controller of its own, the draft model's round elsewhere; "+trees": the draft
     model's rounds may verify its second guess beside depths 1..S where the controller
     prices that worth it (engine/decode/tree.py), taken where the trace ranks the
-    target's token second among the draft's guesses.
+    target's token second among the draft's guesses; "composed-unpriced": composed with
+    the controller blind to the catch-ups after copies (as before they were priced).
     The draft model reads the prompt before its first round (a catch-up), the first
     token is a plain step, and after a copy or a plain stretch the draft catches up on
     what it missed (a pass over more than two tokens; two or fewer ride in its next
@@ -332,12 +333,17 @@ def replay_composed(
     step = 100.0
     measured = {k: verify[k] for k in (1, 4) if k in verify}
     trees = policy.endswith("+trees")
-    model = Controller(DecodeConfig(), Costs(step, c * step, 0.2, dict(measured)), tree=trees)
+    priced = policy != "composed-unpriced"
+    row = feed_cost(feed, 8) / 8 * step if priced else None  # as measure_costs times it
+    model = Controller(
+        DecodeConfig(), Costs(step, c * step, 0.2, dict(measured), catch_up_row_ms=row), tree=trees
+    )
     copier = Controller(DecodeConfig(), Costs(step, 0.0, 0.2, dict(measured)))
     lookup = LookupDrafter(1)
     use_model, use_copy = policy != "lookup", not policy.startswith("model")
     rank = prompt.get("rank", [])
     cost, t, unseen = 1.0, 1, n0 + 1  # the first token: a plain step; the draft has read nothing
+    copied, drafted = 0, False  # as the session counts them (Turn.copied, model_unseen)
     rounds = {"copy": 0, "copy_accepted": 0, "copy_drafted": 0, "model": 0, "plain": 0, "tree": 0, "hit": 0}
     while t < reply:
         remaining = reply - t
@@ -354,8 +360,11 @@ def replay_composed(
             rounds["copy"] += 1
             rounds["copy_drafted"] += k
             rounds["copy_accepted"] += acc
-            t, unseen = t + acc + 1, unseen + acc + 1
+            t, unseen, copied = t + acc + 1, unseen + acc + 1, copied + acc + 1
             continue
+        if use_model and use_copy:
+            model.observe_copies(copied)
+            copied = 0
         mode, k = model.next() if use_model else (Mode.PLAIN, 0)
         k = min(k, remaining - 1, max(verify))
         if mode is Mode.PLAIN or k < 1:
@@ -364,9 +373,13 @@ def replay_composed(
             model.take_reason()
             rounds["plain"] += 1
             continue
-        if unseen > 2:  # a catch-up pass, untimed by the controller, then one row in propose
-            cost += feed_cost(feed, unseen - 1)
+        if unseen > 2:  # a catch-up pass, then one row in propose
+            read = feed_cost(feed, unseen - 1)
+            cost += read
+            if drafted and priced:
+                model.observe_catch_up(unseen, read * step)
             unseen = 1
+        drafted = True
         acc = 0
         while acc < k and match[t + acc]:
             acc += 1

@@ -5,8 +5,9 @@ A round reports how long its drafts took and how long the target's pass took
 script runs the given modes on every prompt in turn (so drift in a shared
 machine's speed hits all alike), times the gap between consecutive RoundEvents
 as the caller sees it, and prints per (mode the round ran, K): rounds, tokens,
-median gap, draft and verify times, and the untimed rest (gap - draft - verify:
-catch-up passes, Python between rounds), medians and sums. A whole reply's
+median gap, draft and verify times, the draft's catch-up passes (RoundEvent.catch_up_ms,
+summed), and the untimed rest (gap - draft - verify - catch-up: Python between rounds),
+medians and sums. A whole reply's
 ms/token next to plain's says whether speculation pays; the untimed column says
 how much of its cost the controller never sees. Each prompt's last message is
 asked alone, in a fresh conversation.
@@ -47,6 +48,7 @@ def rounds_of(session: ChatSession, prompt: str, cfg: DecodeConfig) -> list[dict
             if t_prev is not None:
                 rows.append({"mode": ev.mode.value, "k": ev.k, "accepted": ev.accepted,
                              "draft_ms": ev.draft_ms, "verify_ms": ev.verify_ms,
+                             "catch_up_ms": ev.catch_up_ms, "drafter": ev.drafter,
                              "gap_ms": (now - t_prev) * 1e3, "tokens": tokens})
             t_prev, tokens = now, 0
     return rows
@@ -57,17 +59,20 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
     tokens = sum(r["tokens"] for r in rows)
     lines = [f"{len(rows)} rounds, {tokens} tokens, {gap / max(tokens, 1):.1f} ms a token"]
     groups: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
-    for r in rows:
-        groups[(r["mode"], r["k"])].append(r)
-    lines.append(f"  {'round':<10}{'n':>5}{'tokens':>8}{'gap':>8}{'draft':>8}{'verify':>8}"
-                 f"{'untimed':>9}{'untimed sum':>13}")
+    for r in rows:  # a composed reply's copies apart from the model's rounds
+        mode = r["mode"] + ("/copy" if r.get("drafter") == "lookup" and r["mode"] != "lookup" else "")
+        groups[(mode, r["k"])].append(r)
+    lines.append(f"  {'round':<15}{'n':>5}{'tokens':>8}{'gap':>8}{'draft':>8}{'verify':>8}"
+                 f"{'catch-up sum':>14}{'untimed':>9}{'untimed sum':>13}")
     for (mode, k), g in sorted(groups.items()):
-        untimed = [r["gap_ms"] - r["draft_ms"] - r["verify_ms"] for r in g]
+        timed = ("draft_ms", "verify_ms", "catch_up_ms")
+        untimed = [r["gap_ms"] - sum(r[t] for t in timed) for r in g]
         med = statistics.median
         lines.append(
-            f"  {mode + ' K=' + str(k):<10}{len(g):>5}{sum(r['tokens'] for r in g):>8}"
+            f"  {mode + ' K=' + str(k):<15}{len(g):>5}{sum(r['tokens'] for r in g):>8}"
             f"{med(r['gap_ms'] for r in g):>8.1f}{med(r['draft_ms'] for r in g):>8.1f}"
-            f"{med(r['verify_ms'] for r in g):>8.1f}{med(untimed):>9.1f}{sum(untimed):>11.0f} ms"
+            f"{med(r['verify_ms'] for r in g):>8.1f}{sum(r['catch_up_ms'] for r in g):>11.0f} ms"
+            f"{med(untimed):>9.1f}{sum(untimed):>11.0f} ms"
         )
     return lines
 

@@ -18,6 +18,14 @@ would have cost, with probability β (measured on the rounds that tried one),
 and the verify pass grows to K + S drafts: S = 0 wherever a bigger pass costs
 more than the guesses bring, which is everywhere the verify pass grows steeply.
 
+Composed with prompt lookup (compose.py), the draft model must also read what
+each copy added before it drafts again: a catch-up pass that a copy-heavy reply
+pays between most of the model's rounds. Its price, o = (tokens copied per
+round the model could draft) × (one caught-up row, in target steps), both
+measured, is added to every round's cost: S(K) = E(K) / (K·c + v(K) + o). The
+copies are counted at every round the lookup does not draft, the model's or a
+plain step, so the estimate follows the text through a fallback too.
+
 Acceptance is estimated per draft token tried, not per round, so the estimate
 remembers as much text at K=1 as at K=8; a fallback needs S below 0.95, not 1,
 because coming back costs the draft a catch-up pass over the plain stretch;
@@ -78,6 +86,10 @@ class Controller:
         self._acc = alpha0 * self._trials
         self._beta_trials = self.BETA_TRIALS
         self._beta_hits = self.BETA0 * self.BETA_TRIALS
+        # Tokens copied (composed spec) before each round the lookup did not draft, as
+        # decayed counts like α's; none observed: no catch-up priced.
+        self._copied = 0.0
+        self._copy_gaps = 0.0
         self.tree = tree and cfg.siblings != 0
         # Depths with a second guess: fixed by cfg.siblings, else chosen with K (best()).
         self.k = cfg.k if cfg.k is not None else min(max(4, cfg.k_min), cfg.k_max)
@@ -100,6 +112,14 @@ class Controller:
     def beta(self) -> float:
         """The share of refused first guesses whose depth's second guess the target took."""
         return self._beta_hits / self._beta_trials if self._beta_trials else 0.0
+
+    @property
+    def catch_up_steps(self) -> float:
+        """o: the draft's expected catch-up over copied tokens before a round, in target
+        steps (0 where nothing is copied or a caught-up row's cost is not known yet)."""
+        if not self._copy_gaps:
+            return 0.0
+        return self._copied / self._copy_gaps * self.costs.catch_up_ratio()
 
     @property
     def choose_siblings(self) -> bool:
@@ -144,6 +164,19 @@ class Controller:
     def observe_plain(self, step_ms: float) -> None:
         self.costs.target_step_ms = _ema(self.costs.target_step_ms, step_ms)
         self._plain_since_probe += 1
+
+    def observe_copies(self, copied: int) -> None:
+        """Composed spec, at each round the lookup does not draft: the tokens copied since
+        the last such round (what the draft model reads before it drafts again)."""
+        self._copied = self.MEMORY * self._copied + copied
+        self._copy_gaps = self.MEMORY * self._copy_gaps + 1.0
+        if self.adaptive and self.mode is Mode.SPEC and self.costs.ratio() is not None:
+            self._replan()
+
+    def observe_catch_up(self, rows: int, ms: float) -> None:
+        """A catch-up pass of the draft over `rows` tokens it missed took `ms`."""
+        if rows > 0:
+            self.costs.catch_up_row_ms = _ema(self.costs.catch_up_row_ms, ms / rows)
 
     def observe_round(
         self,
@@ -192,10 +225,12 @@ class Controller:
         """Expected speedup of a round of k drafts with a second guess beside `siblings`."""
         c = self.costs.ratio() or 0.0
         alpha = min(self.alpha, 0.99)
+        # The catch-up rides in the verify term: one more fixed cost a round.
+        catch_up = self.catch_up_steps
         if not siblings:
-            return expected_speedup(alpha, k, c, self.costs.verify_ratio(k))
+            return expected_speedup(alpha, k, c, self.costs.verify_ratio(k) + catch_up)
         tokens = expected_tokens_tree(alpha, k, self.beta, siblings)
-        return tokens / (k * c + self.costs.verify_ratio(k + siblings))
+        return tokens / (k * c + self.costs.verify_ratio(k + siblings) + catch_up)
 
     def _fixed_siblings(self, k: int) -> int:
         """cfg.siblings where trees may be drafted (or 0), as deep as K and a verify pass
@@ -231,6 +266,8 @@ class Controller:
         facts = f"α={self.alpha:.2f}, c={c:.2f}, v({n})={self.costs.verify_ratio(n):.2f}"
         if sib:
             facts += f", β={self.beta:.2f}"
+        if self.catch_up_steps >= 0.01:
+            facts += f", catch-up {self.catch_up_steps:.2f}"
         probed, self._probing = self._probing, False
         if s < self.FALLBACK_BELOW:
             if probed:

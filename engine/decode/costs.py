@@ -35,11 +35,20 @@ class Costs:
     # The draft's one-token steps on one thread, where measured faster than on all (with
     # both timings, ms), else None: see ModelRunner.steps_on_one_thread.
     draft_one_thread: tuple[float, float] | None = None
+    # The draft reading one token it missed, in a catch-up pass over several (ms a row):
+    # what a copy or a plain stretch costs the draft model before its next round.
+    catch_up_row_ms: float | None = None
 
     def ratio(self) -> float | None:
         if self.target_step_ms and self.draft_step_ms is not None:
             return self.draft_step_ms / self.target_step_ms
         return None
+
+    def catch_up_ratio(self) -> float:
+        """One caught-up row in target steps (0 until measured)."""
+        if self.target_step_ms and self.catch_up_row_ms is not None:
+            return self.catch_up_row_ms / self.target_step_ms
+        return 0.0
 
     def verify_ratio(self, k: int) -> float:
         """v(K): measured, else interpolated between measured K (v(0) = 1), else the slope."""
@@ -79,9 +88,15 @@ def pass_timer(runner: ModelRunner, repeats: int) -> Callable[[int], float]:
     return median
 
 
+# A catch-up is timed at load over this many rows: about what a copy of the conversation
+# leaves the draft to read (lookup drafts run to config.MAX_K).
+CATCH_UP_ROWS = 8
+
+
 def measure_costs(target: ModelRunner, draft: ModelRunner, k: int = 4, repeats: int = 3) -> Costs:
-    """Time one target step, verify passes of 2 and k+1 tokens, and one draft step (medians of
-    `repeats` after a warm-up, each model prefilled once). Leaves both caches empty.
+    """Time one target step, verify passes of 2 and k+1 tokens, one draft step and a draft
+    pass over CATCH_UP_ROWS rows (medians of `repeats` after a warm-up, each model
+    prefilled once). Leaves both caches empty.
 
     On a CPU with several threads the draft's step is timed on one thread too, in turns
     with all of them; `draft_one_thread` says when one thread was clearly faster (the
@@ -95,6 +110,7 @@ def measure_costs(target: ModelRunner, draft: ModelRunner, k: int = 4, repeats: 
     verify_one = on_target(2)  # K=1: on a CPU often the best K
     on_draft = timer(draft)
     draft_step = on_draft(1)
+    catch_up_row = on_draft(CATCH_UP_ROWS) / CATCH_UP_ROWS
     one_thread = None
     if torch.get_num_threads() > 1 and draft.device.type == "cpu":
         every, alone = [draft_step], []
@@ -114,6 +130,7 @@ def measure_costs(target: ModelRunner, draft: ModelRunner, k: int = 4, repeats: 
         verify_slope=max(0.0, (verify / step - 1.0) / k),
         verify_at={1: verify_one / step, k: verify / step},
         draft_one_thread=one_thread,
+        catch_up_row_ms=catch_up_row,
     )
 
 

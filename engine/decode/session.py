@@ -207,6 +207,11 @@ class ChatSession:
                 )
             facts.append(f"target step {self.costs.target_step_ms:.1f} ms")
             facts += [f"verify K={k}: {v:.2f} steps" for k, v in sorted(self.costs.verify_at.items())]
+            if self.costs.catch_up_row_ms is not None:
+                facts.append(
+                    f"the draft reads a copied token in {self.costs.catch_up_ratio():.2f} steps "
+                    "(priced before its rounds in spec composed with lookup)"
+                )
             notes.append("measured: " + ", ".join(facts))
         if self._ahead_costs is not None:
             notes.append(self._ahead_costs.describe(self._ahead_way))
@@ -669,10 +674,14 @@ class ChatSession:
             if turn.ahead_on and turn.ahead is not None:  # it reads the prompt beside the next steps
                 turn.ahead.start([*seq, first.tokens[0].token_id])
             return first, Mode.PLAIN, None
+        copy = False
         if turn.composed is not None:
             drafter = turn.composed.model
             if turn.copier is not None and turn.copier.mode is Mode.SPEC and turn.composed.copies(seq):
-                ctl, drafter = turn.copier, turn.composed
+                ctl, drafter, copy = turn.copier, turn.composed, True
+            else:  # a round the model could draft: it would read the copies' tokens first
+                ctl.observe_copies(turn.copied)
+                turn.copied = 0
         if turn.speculative:
             mode, k = ctl.next()
             remaining = cfg.max_new_tokens - turn.tally.generated
@@ -690,6 +699,11 @@ class ChatSession:
                 self.target_runner, drafter, seq, k, cfg, turn.generator, siblings
             )
             if res.k:
+                unseen = turn.model_unseen if turn.composed is not None and not copy else None
+                if unseen is not None and unseen > ModelDrafter.PENDING_IN_PROPOSE:
+                    # A catch-up pass read about the tokens since the model's last round
+                    # (the prompt read before its first says nothing of a copy's cost).
+                    ctl.observe_catch_up(unseen, res.catch_up_ms)
                 ctl.observe_round(
                     res.k, res.accepted, res.draft_ms, res.verify_ms, res.siblings, res.off_chain,
                     res.guessed if res.siblings else None,
@@ -708,6 +722,14 @@ class ChatSession:
             round_mode = Mode.PLAIN
         reason = "; ".join(r for r in (switched, ctl.take_reason() or reason) if r) or None
         turn.tally.round(res, reason)
+        if turn.composed is not None:
+            emitted = len(res.tokens)
+            if copy and res.k:
+                turn.copied += emitted
+            if res.k and not copy:  # the model drafted: it has read all but its pending rows
+                turn.model_unseen = 0
+            elif turn.model_unseen is not None:
+                turn.model_unseen += emitted
         return res, round_mode, reason
 
     # Rounds between two changes of way (ahead or serial), so each is measured before the
@@ -807,6 +829,7 @@ class ChatSession:
             target_step_ms=controller.costs.target_step_ms if speculative else None,
             drafter=res.drafter,
             siblings=res.siblings,
+            catch_up_ms=res.catch_up_ms,
         )
 
     def _finish(self, turn: Turn, stop_reason: str, t_start: float) -> Iterator[Event]:

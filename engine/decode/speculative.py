@@ -62,6 +62,7 @@ class RoundResult:
     siblings: int = 0  # a tree's guesses beside the k chain drafts (engine/decode/tree.py)
     off_chain: bool = False  # the accepted path ended on one of them
     guessed: bool = False  # the depth the chain was refused at had one (tried, taken or not)
+    catch_up_ms: float = 0.0  # the draft reading what it missed, before the drafts
 
 
 @dataclass(slots=True)
@@ -239,12 +240,14 @@ def speculative_round(
     the chain, a draft tree (tree.py), where the drafter gave its distributions and
     the target can score a tree."""
     n0 = len(seq)
-    # 0. After a stretch of plain rounds the draft has tokens to catch up on: a one-off
-    # cost, kept out of draft_ms, which the controller reads as k per-token draft steps
+    # 0. After a stretch of plain rounds or a copy the draft has tokens to catch up on:
+    # timed apart from draft_ms, which the controller reads as k per-token draft steps
     # (counted in, it made every probe after a plain stretch look too dear to keep).
+    tc = _now()
     drafter.catch_up(seq)
     # 1. Draft: d_1..d_k and the draft's distribution at each position.
     t0 = _now()
+    catch_up_ms = (t0 - tc) * 1e3
     prop = drafter.propose(seq, k, cfg, generator)
     k = prop.n  # a lookup draft may find fewer, or none: then a plain step
     tree = None
@@ -255,10 +258,12 @@ def speculative_round(
     target.prefill(seq)  # the cache holds seq[:-1]
     if tree is not None and len(tree[3]) > k and target.takes_tree(len(tree[3]) + 1):
         ids, logits, probs, parents = tree
-        return _tree_round(
+        res = _tree_round(
             target, drafter, seq, Proposal(ids, logits, probs, prop.source), parents, k, cfg,
             generator, (t0, t1),
         )
+        res.catch_up_ms = catch_up_ms
+        return res
     d = prop.ids.to(target.device)  # [k]
     block = torch.cat([torch.tensor(seq[-1:], dtype=torch.long, device=target.device), d])
     target_logits = target.feed(block, keep=k + 1)  # [k+1, V]
@@ -305,7 +310,9 @@ def speculative_round(
     target.crop_to(n0 + n)
     drafter.rollback(n0 + n)
     source = (prop.source or drafter.name) if k else None
-    return RoundResult(tokens, k, n, (t1 - t0) * 1e3, (t2 - t1) * 1e3, drafter=source)
+    return RoundResult(
+        tokens, k, n, (t1 - t0) * 1e3, (t2 - t1) * 1e3, drafter=source, catch_up_ms=catch_up_ms
+    )
 
 
 def _draft_probs(prop: Proposal, draft_logits: Tensor | None, cfg: DecodeConfig) -> Tensor | None:

@@ -46,6 +46,11 @@ class Turn:
     switched_at: int = 0  # the round of the last change of way, and the drafts tallied then
     drafted_at: int = 0
     ahead_refuted: bool = False  # running ahead starved this turn: serial to its end
+    # Composed spec: tokens copied since the last round the lookup did not draft, and
+    # tokens since the draft model last drafted (None until it has: its first catch-up
+    # reads the prompt, which says nothing of what a copy costs it).
+    copied: int = 0
+    model_unseen: int | None = None
     tally: Tally = field(default_factory=lambda: Tally())
 
     @property

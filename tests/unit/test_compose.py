@@ -75,3 +75,35 @@ def test_the_bench_runs_spec_alone_as_the_draft_model_without_lookup() -> None:
     alone = arm_config(SPEC_ALONE, DecodeConfig(k=2))
     assert alone.mode is Mode.SPEC and not alone.compose and alone.k == 2
     assert arm_config("spec", DecodeConfig()).compose
+
+
+def test_the_models_rounds_are_told_what_the_copies_cost_it(
+    target: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every token a copy emitted reaches the model's controller before the model's next
+    chance to draft (observe_copies), and the catch-up pass that reads them is timed in
+    the round's event and priced a row (observe_catch_up)."""
+    from specchat.engine.decode.controller import Controller
+
+    copies: list[int] = []
+    reads: list[tuple[int, float]] = []
+    monkeypatch.setattr(Controller, "observe_copies", lambda self, n: copies.append(n))
+    monkeypatch.setattr(Controller, "observe_catch_up", lambda self, n, ms: reads.append((n, ms)))
+    cfg = DecodeConfig(mode=Mode.SPEC, k=3, max_new_tokens=64)
+    events = list(pair_session(target).stream("def add(a, b):\n    return a + b\n", cfg))
+    rounds = [e for e in events if isinstance(e, RoundEvent)]
+    per_round = [sum(isinstance(e, TokenEvent) and e.round == r.round for e in events) for r in rounds]
+    copied, expected = 0, []
+    # The first round is the target's alone; the last may be a plain step whoever had drafts.
+    for r, n in zip(rounds[1:-1], per_round[1:-1], strict=True):
+        if r.drafter == "lookup":
+            copied += n
+        else:
+            expected.append(copied)
+            copied = 0
+    assert copies[: len(expected)] == expected and sum(copies) >= 10
+    # Model rounds after a copy of three or more tokens read it first, timed.
+    models = [r for r in rounds[1:-1] if r.drafter != "lookup"]
+    after = [r for r, c in zip(models, expected, strict=True) if c > 2]
+    assert after and all(r.catch_up_ms > 0 for r in after[1:])
+    assert len(reads) >= len(after) - 1 and all(n > 2 and ms > 0 for n, ms in reads)

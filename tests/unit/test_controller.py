@@ -185,3 +185,58 @@ def test_trees_follow_the_drafter_and_the_verify_pass_bound() -> None:
     off = Controller(DecodeConfig(siblings=0), flat, alpha0=0.5, tree=True)
     off.use_costs(Costs(100, 10, 0.01), tree=True)
     assert not off.tree and off.siblings == 0  # --siblings 0 holds
+
+
+# -- spec composed with lookup: the draft model reads what each copy added ------------------
+
+
+def composed_controller() -> Controller:
+    """A draft that pays alone: c 0.3, v(1) 1.2, α 0.85 gives 1.85 / 1.5 = 1.23x at K=1;
+    the draft reads a missed token in 0.08 of a target step."""
+    return Controller(
+        DecodeConfig(k_max=1), Costs(100, 30, 0.2, {1: 1.2}, catch_up_row_ms=8), alpha0=0.85
+    )
+
+
+def test_copies_between_the_models_rounds_are_priced_until_it_falls_back() -> None:
+    ctrl = composed_controller()
+    assert ctrl.speedup(1) == pytest.approx(1.85 / 1.5)
+    ctrl.observe_copies(0)
+    assert ctrl.mode is Mode.SPEC and ctrl.catch_up_steps == 0.0
+    # Seven tokens copied before each of the model's rounds: o = 7 x 0.08 = 0.56 steps,
+    # 1.85 / 2.06 = 0.90x, under the fallback threshold.
+    for _ in range(12):
+        ctrl.observe_copies(7)
+        if ctrl.mode is Mode.PLAIN:
+            break
+    assert ctrl.mode is Mode.PLAIN
+    assert 0.3 < ctrl.catch_up_steps <= 0.56
+    reason = ctrl.take_reason() or ""
+    assert "fallback to plain" in reason and "catch-up 0." in reason
+
+
+def test_the_model_comes_back_when_the_reply_stops_copying() -> None:
+    ctrl = composed_controller()
+    for _ in range(12):
+        ctrl.observe_copies(7)
+    assert ctrl.mode is Mode.PLAIN
+    ctrl.take_reason()
+    # New text: plain steps with nothing copied between them, then the probe.
+    while ctrl.next()[0] is Mode.PLAIN:
+        ctrl.observe_copies(0)
+        ctrl.observe_plain(100)
+    assert ctrl.catch_up_steps < 0.1  # 24 rounds without a copy: 0.9^24 of the old count
+    ctrl.observe_round(1, 1, 30, 120)
+    assert ctrl.mode is Mode.SPEC
+    assert "speculation pays again" in (ctrl.take_reason() or "")
+
+
+def test_a_catch_up_pass_sets_the_price_of_a_row() -> None:
+    ctrl = composed_controller()
+    ctrl.observe_catch_up(10, 300.0)  # 30 ms a row: 0.3 steps
+    assert ctrl.costs.catch_up_ratio() == pytest.approx(0.7 * 0.08 + 0.3 * 0.3)
+    ctrl.observe_catch_up(0, 5.0)  # nothing read: no price
+    assert ctrl.costs.catch_up_ratio() == pytest.approx(0.7 * 0.08 + 0.3 * 0.3)
+    unknown = Controller(DecodeConfig(), Costs(100, 30))
+    unknown.observe_copies(20)
+    assert unknown.catch_up_steps == 0.0  # no row measured: nothing priced

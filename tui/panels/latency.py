@@ -53,7 +53,10 @@ class _LatencyText(Widget):
         ]
         for r in list(m.round_timings)[-RECENT_ROUNDS:]:
             what = f"{r.accepted}/{r.k} ok" if r.k else r.mode.value
-            rows.append((f"round {r.round}", f"draft {r.draft_ms:.1f} + verify {r.verify_ms:.1f} ms · {what}"))
+            read = f"catch-up {r.catch_up_ms:.1f} + " if r.catch_up_ms >= 0.05 else ""
+            rows.append(
+                (f"round {r.round}", f"{read}draft {r.draft_ms:.1f} + verify {r.verify_ms:.1f} ms · {what}")
+            )
         c = m.cost_ratio
         alpha = m.acceptance_rate
         k = m.current_k
