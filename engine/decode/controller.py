@@ -170,7 +170,10 @@ class Controller:
         the last such round (what the draft model reads before it drafts again)."""
         self._copied = self.MEMORY * self._copied + copied
         self._copy_gaps = self.MEMORY * self._copy_gaps + 1.0
-        if self.adaptive and self.mode is Mode.SPEC and self.costs.ratio() is not None:
+        # A copy makes the next round dearer: re-plan now. Without one the price only
+        # falls, and the round's own observation re-plans (the first round of a reply
+        # always runs, as a measurement).
+        if copied and self.adaptive and self.mode is Mode.SPEC and self.costs.ratio() is not None:
             self._replan()
 
     def observe_catch_up(self, rows: int, ms: float) -> None:

@@ -619,6 +619,8 @@ def figures(records: Sequence[RunRecord]) -> dict[str, Any]:
         # as paid in flight, in plain target steps: c per drafted token, v per verify pass
         "cost_ratio_c": ratio(per_draft, step),
         "verify_ratio_v": ratio(per_verify, step),
+        # the draft's catch-up passes (copies, plain stretches), per speculative round
+        "catch_up_o": ratio(sum(r.catch_up_ms for r in ok) / len(costs), step) if costs else None,
         "exit_rate": sum(r.early_exits for r in ok) / tokens
         if tokens and (layers or exit_layers)
         else None,

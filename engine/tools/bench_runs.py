@@ -319,6 +319,7 @@ class RunRecord:
     # (draft ms, verify ms) of each speculative round, and the controller's plain
     # target step: the costs c and v as the reply paid them (not as measured at load)
     spec_costs: list[tuple[float, float]] = field(default_factory=list)
+    catch_up_ms: float = 0.0  # the draft's catch-up passes before those rounds, summed
     target_step_ms: float | None = None
     exit_layers: list[int] = field(default_factory=list)
     early_exits: int = 0
@@ -443,6 +444,7 @@ def run_session_arm(
             if ev.k > 0:
                 rec.rounds.append((ev.k, ev.accepted))
                 rec.spec_costs.append((ev.draft_ms, ev.verify_ms))
+                rec.catch_up_ms += ev.catch_up_ms
             if ev.target_step_ms:
                 rec.target_step_ms = ev.target_step_ms
         elif isinstance(ev, TurnStarted):

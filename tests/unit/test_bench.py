@@ -244,7 +244,7 @@ def test_summarize_pairs_ratios_within_blocks_and_reports_unavailable_modes() ->
     spec = [
         record(
             "spec", b, tps, [1, 2, 3, 4], rounds=[(4, 3)], spec_costs=[(40.0 + 8 * b, 120.0)],
-            target_step_ms=100.0,
+            target_step_ms=100.0, catch_up_ms=30.0 * b,
         )
         for b, tps in enumerate([15.0, 30.0, 60.0])
     ]
@@ -276,7 +276,9 @@ def test_summarize_pairs_ratios_within_blocks_and_reports_unavailable_modes() ->
     # c and v as paid: draft ms per drafted token and verify ms per round, in target steps
     assert s["spec"]["cost_ratio_c"] == pytest.approx((40 + 48 + 56) / 12 / 100)
     assert s["spec"]["verify_ratio_v"] == pytest.approx(1.2)
+    assert s["spec"]["catch_up_o"] == pytest.approx((0 + 30 + 60) / 3 / 100)  # per round
     assert s["plain"]["cost_ratio_c"] is None and s["plain"]["verify_ratio_v"] is None
+    assert s["plain"]["catch_up_o"] is None
     assert s["early-exit"]["status"] == "unavailable"
     assert s["early-exit"]["reason"] == "no module"
     assert s["early-exit"]["tokens_per_s"]["median"] is None

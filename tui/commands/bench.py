@@ -515,7 +515,7 @@ def print_result(data: dict[str, Any], console: Any) -> None:
     )  # fmt: skip
     decoding = _table(
         "decoding",
-        [first, "accept", "acc len", "tok/pass", "c", "v", "accept by position %",
+        [first, "accept", "acc len", "tok/pass", "c", "v", "o", "accept by position %",
          "exit", "layers", "fallbacks"],
     )  # fmt: skip
     for arm in arms:
@@ -547,6 +547,7 @@ def print_result(data: dict[str, Any], console: Any) -> None:
             _num(f["tokens_per_target_pass"], "{:.2f}"),
             _num(f.get("cost_ratio_c"), "{:.2f}"),
             _num(f.get("verify_ratio_v"), "{:.2f}"),
+            _num(f.get("catch_up_o"), "{:.2f}"),
             " ".join(_num(v * 100 if v is not None else None, "{:.0f}") for v in by_pos[:8]) or "-",
             _num(f["exit_rate"], "{:.2f}"),
             _num(f["mean_layers"], "{:.1f}"),
