@@ -319,7 +319,8 @@ def replay_composed(
     model's rounds may verify its second guess beside depths 1..S where the controller
     prices that worth it (engine/decode/tree.py), taken where the trace ranks the
     target's token second among the draft's guesses; "composed-unpriced": composed with
-    the controller blind to the catch-ups after copies (as before they were priced).
+    the controller blind to catch-ups (the copies' and the prompt's, as before they were
+    priced). The remaining tokens a read must pay back in are the recorded reply's.
     The draft model reads the prompt before its first round (a catch-up), the first
     token is a plain step, and after a copy or a plain stretch the draft catches up on
     what it missed (a pass over more than two tokens; two or fewer ride in its next
@@ -334,10 +335,11 @@ def replay_composed(
     measured = {k: verify[k] for k in (1, 4) if k in verify}
     trees = policy.endswith("+trees")
     priced = policy != "composed-unpriced"
-    row = feed_cost(feed, 8) / 8 * step if priced else None  # as measure_costs times it
-    model = Controller(
-        DecodeConfig(), Costs(step, c * step, 0.2, dict(measured), catch_up_row_ms=row), tree=trees
-    )
+    # A catch-up pass's cost line, as measure_costs fits it (1 and 24 rows).
+    row = (feed_cost(feed, 24) - feed_cost(feed, 1)) / 23 * step if priced else None
+    costs = Costs(step, c * step, 0.2, dict(measured), catch_up_row_ms=row)
+    costs.catch_up_pass_ms = max(0.0, feed_cost(feed, 1) * step - (row or 0.0))
+    model = Controller(DecodeConfig(), costs, tree=trees)
     copier = Controller(DecodeConfig(), Costs(step, 0.0, 0.2, dict(measured)))
     lookup = LookupDrafter(1)
     use_model, use_copy = policy != "lookup", not policy.startswith("model")
@@ -367,6 +369,10 @@ def replay_composed(
             copied = 0
         mode, k = model.next() if use_model else (Mode.PLAIN, 0)
         k = min(k, remaining - 1, max(verify))
+        # as the session: the read of a prompt or plain stretch only where it pays back
+        read = mode is not Mode.PLAIN and use_copy and unseen > 2
+        if read and not model.pays_to_read(unseen - 1, remaining):
+            mode = Mode.PLAIN
         if mode is Mode.PLAIN or k < 1:
             cost, t, unseen = cost + 1, t + 1, unseen + 1
             model.observe_plain(step)

@@ -20,11 +20,16 @@ more than the guesses bring, which is everywhere the verify pass grows steeply.
 
 Composed with prompt lookup (compose.py), the draft model must also read what
 each copy added before it drafts again: a catch-up pass that a copy-heavy reply
-pays between most of the model's rounds. Its price, o = (tokens copied per
-round the model could draft) × (one caught-up row, in target steps), both
-measured, is added to every round's cost: S(K) = E(K) / (K·c + v(K) + o). The
-copies are counted at every round the lookup does not draft, the model's or a
-plain step, so the estimate follows the text through a fallback too.
+pays between most of the model's rounds. Its price o, the mean cost of the
+catch-up the copies left before each round the model could draft (a pass over
+n tokens costs a + b·n, both measured), is added to every round's cost:
+S(K) = E(K) / (K·c + v(K) + o). The copies are counted at every round the
+lookup does not draft, the model's or a plain step, so the estimate follows the
+text through a fallback too. And a long read (the prompt, before the model's
+first round; a plain stretch, before a probe) is an investment: it is made only
+where the gain per token, 1 - 1/S, over the tokens the reply may still take
+pays it back (`pays_to_read`); composed spec decodes with copies and plain
+steps otherwise.
 
 Acceptance is estimated per draft token tried, not per round, so the estimate
 remembers as much text at K=1 as at K=8; a fallback needs S below 0.95, not 1,
@@ -86,9 +91,9 @@ class Controller:
         self._acc = alpha0 * self._trials
         self._beta_trials = self.BETA_TRIALS
         self._beta_hits = self.BETA0 * self.BETA_TRIALS
-        # Tokens copied (composed spec) before each round the lookup did not draft, as
-        # decayed counts like α's; none observed: no catch-up priced.
-        self._copied = 0.0
+        # Composed spec: the catch-up (target steps) the copies left before each round the
+        # lookup did not draft, as decayed sums like α's; none observed: none priced.
+        self._copy_reads = 0.0
         self._copy_gaps = 0.0
         self.tree = tree and cfg.siblings != 0
         # Depths with a second guess: fixed by cfg.siblings, else chosen with K (best()).
@@ -119,7 +124,7 @@ class Controller:
         steps (0 where nothing is copied or a caught-up row's cost is not known yet)."""
         if not self._copy_gaps:
             return 0.0
-        return self._copied / self._copy_gaps * self.costs.catch_up_ratio()
+        return self._copy_reads / self._copy_gaps
 
     @property
     def choose_siblings(self) -> bool:
@@ -168,7 +173,9 @@ class Controller:
     def observe_copies(self, copied: int) -> None:
         """Composed spec, at each round the lookup does not draft: the tokens copied since
         the last such round (what the draft model reads before it drafts again)."""
-        self._copied = self.MEMORY * self._copied + copied
+        # Up to two rows ride in the draft's next pass; past that a catch-up pass reads them.
+        read = self.costs.catch_up_ratio(copied) if copied > 1 else 0.0
+        self._copy_reads = self.MEMORY * self._copy_reads + read
         self._copy_gaps = self.MEMORY * self._copy_gaps + 1.0
         # A copy makes the next round dearer: re-plan now. Without one the price only
         # falls, and the round's own observation re-plans (the first round of a reply
@@ -177,9 +184,35 @@ class Controller:
             self._replan()
 
     def observe_catch_up(self, rows: int, ms: float) -> None:
-        """A catch-up pass of the draft over `rows` tokens it missed took `ms`."""
+        """A catch-up pass of the draft over `rows` tokens it missed took `ms`: the cost of a
+        row, past the pass's own (measured at load)."""
         if rows > 0:
-            self.costs.catch_up_row_ms = _ema(self.costs.catch_up_row_ms, ms / rows)
+            row = max(0.0, ms - self.costs.catch_up_pass_ms) / rows
+            self.costs.catch_up_row_ms = _ema(self.costs.catch_up_row_ms, row)
+
+    def pays_to_read(self, rows: int, remaining: int) -> bool:
+        """Whether the draft reading `rows` tokens it has not seen (a prompt, a plain stretch)
+        pays back within the `remaining` tokens the reply may take: the best round's gain
+        a token, 1 - 1/S, times those tokens, against the read. If not, plain decoding
+        until the next probe, with the reason."""
+        read = self.costs.catch_up_ratio(rows)
+        if not self.adaptive or not read or self.costs.ratio() is None:
+            return True
+        k, sib, s = self._plan()
+        gain = max(0.0, 1.0 - 1.0 / s) * remaining if s > 0 else 0.0
+        if gain >= read:
+            return True
+        if self._probing:
+            self._probe_after = min(self.PROBE_AFTER_MAX, 2 * self._probe_after)
+        self._probing = False
+        self.mode = Mode.PLAIN
+        self._plain_since_probe = 0
+        self._pending_reason = (
+            f"plain: the draft's read of {rows} tokens ({read:.1f} steps) would not pay back "
+            f"in the {remaining} tokens left at {s:.2f}x (K={_shape(k, sib)}, gain {gain:.1f} "
+            f"steps); probing again in {self._probe_after} tokens"
+        )
+        return False
 
     def observe_round(
         self,

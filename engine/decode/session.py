@@ -209,8 +209,9 @@ class ChatSession:
             facts += [f"verify K={k}: {v:.2f} steps" for k, v in sorted(self.costs.verify_at.items())]
             if self.costs.catch_up_row_ms is not None:
                 facts.append(
-                    f"the draft reads a copied token in {self.costs.catch_up_ratio():.2f} steps "
-                    "(priced before its rounds in spec composed with lookup)"
+                    f"a catch-up pass of the draft {self.costs.catch_up_pass_ms:.1f} ms + "
+                    f"{self.costs.catch_up_row_ms:.1f} ms a token (composed spec prices "
+                    "copies and reads with it)"
                 )
             notes.append("measured: " + ", ".join(facts))
         if self._ahead_costs is not None:
@@ -686,6 +687,13 @@ class ChatSession:
             mode, k = ctl.next()
             remaining = cfg.max_new_tokens - turn.tally.generated
             k = min(k, remaining - 1, self.context_length - len(seq) - 1)
+            model = drafter if turn.composed is not None and not copy else None
+            if mode is not Mode.PLAIN and isinstance(model, ModelDrafter):
+                # The draft's read of a prompt or a plain stretch is an investment: composed,
+                # copies and plain steps are the way without it.
+                unread = model.unread(seq)
+                if unread and not ctl.pays_to_read(unread, remaining):
+                    mode = Mode.PLAIN
         else:
             mode, k = turn.run_mode, 0
         reason = ctl.take_reason()
@@ -702,7 +710,7 @@ class ChatSession:
                 unseen = turn.model_unseen if turn.composed is not None and not copy else None
                 if unseen is not None and unseen > ModelDrafter.PENDING_IN_PROPOSE:
                     # A catch-up pass read about the tokens since the model's last round
-                    # (the prompt read before its first says nothing of a copy's cost).
+                    # (the prompt read before its first is priced at load, not learnt).
                     ctl.observe_catch_up(unseen, res.catch_up_ms)
                 ctl.observe_round(
                     res.k, res.accepted, res.draft_ms, res.verify_ms, res.siblings, res.off_chain,

@@ -165,9 +165,14 @@ class ModelDrafter:
     # one pass over 2 tokens costs ~1.1 draft steps where two passes cost 2.
     PENDING_IN_PROPOSE = 2
 
+    def unread(self, seq: list[int]) -> int:
+        """Tokens of seq a catch-up would read (0 where they ride in propose's first pass)."""
+        missed = len(seq) - self.runner.cached
+        return missed - 1 if missed > self.PENDING_IN_PROPOSE else 0
+
     def catch_up(self, seq: list[int]) -> None:
         """Feed a long stretch the draft missed (plain rounds) before the timed draft."""
-        if len(seq) - self.runner.cached > self.PENDING_IN_PROPOSE:
+        if self.unread(seq):
             self.runner.prefill(seq)
 
     def reset(self) -> None:

@@ -107,3 +107,35 @@ def test_the_models_rounds_are_told_what_the_copies_cost_it(
     after = [r for r, c in zip(models, expected, strict=True) if c > 2]
     assert after and all(r.catch_up_ms > 0 for r in after[1:])
     assert len(reads) >= len(after) - 1 and all(n > 2 and ms > 0 for n, ms in reads)
+
+
+def reasons(events: list[object]) -> list[str]:
+    return [e.fallback_reason for e in events if isinstance(e, RoundEvent) and e.fallback_reason]
+
+
+def test_a_prompt_read_that_cannot_pay_back_leaves_copies_and_plain_steps(
+    target: torch.nn.Module,
+) -> None:
+    """At costs where the draft's read of the prompt outweighs what its rounds could save in
+    the reply's budget, spec composed decodes as lookup alone: copies and plain steps, the
+    target's tokens all the same, and says why; where the read is free the model drafts."""
+    from specchat.engine.decode.costs import Costs
+
+    prompt = "def add(a, b):\n    return a + b\n"
+    cfg = DecodeConfig(mode=Mode.SPEC, max_new_tokens=48)
+    plain = [
+        e.token_id
+        for e in pair_session(target).stream(prompt, cfg.with_(mode=Mode.PLAIN))
+        if isinstance(e, TokenEvent)
+    ]
+    got = {}
+    for name, pass_ms in (("dear", 5000.0), ("free", 0.0)):
+        s = pair_session(target)
+        s.costs = Costs(100.0, 20.0, 0.2, {1: 1.2, 4: 2.0}, catch_up_row_ms=0.0, catch_up_pass_ms=pass_ms)
+        events = list(s.stream(prompt, cfg))
+        assert [e.token_id for e in events if isinstance(e, TokenEvent)] == plain
+        got[name] = events
+    assert drafters(got["dear"]) == {"lookup"}
+    assert any("the draft's read of" in r and "would not pay back" in r for r in reasons(got["dear"]))
+    assert "tiny-draft" in drafters(got["free"])
+    assert not any("would not pay back" in r for r in reasons(got["free"]))

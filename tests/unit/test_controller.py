@@ -231,12 +231,39 @@ def test_the_model_comes_back_when_the_reply_stops_copying() -> None:
     assert "speculation pays again" in (ctrl.take_reason() or "")
 
 
-def test_a_catch_up_pass_sets_the_price_of_a_row() -> None:
-    ctrl = composed_controller()
-    ctrl.observe_catch_up(10, 300.0)  # 30 ms a row: 0.3 steps
-    assert ctrl.costs.catch_up_ratio() == pytest.approx(0.7 * 0.08 + 0.3 * 0.3)
+def test_a_catch_up_pass_prices_a_row_past_the_pass_itself() -> None:
+    ctrl = Controller(DecodeConfig(), Costs(100, 30, catch_up_row_ms=8, catch_up_pass_ms=20))
+    assert ctrl.costs.catch_up_ratio(10) == pytest.approx((20 + 80) / 100)
+    assert ctrl.costs.catch_up_ratio(0) == 0.0
+    ctrl.observe_catch_up(10, 320.0)  # 30 ms a row past the pass's 20
+    assert ctrl.costs.catch_up_row_ms == pytest.approx(0.7 * 8 + 0.3 * 30)
     ctrl.observe_catch_up(0, 5.0)  # nothing read: no price
-    assert ctrl.costs.catch_up_ratio() == pytest.approx(0.7 * 0.08 + 0.3 * 0.3)
+    assert ctrl.costs.catch_up_row_ms == pytest.approx(0.7 * 8 + 0.3 * 30)
     unknown = Controller(DecodeConfig(), Costs(100, 30))
     unknown.observe_copies(20)
     assert unknown.catch_up_steps == 0.0  # no row measured: nothing priced
+
+
+def test_a_long_read_is_made_only_where_the_reply_can_pay_it_back() -> None:
+    """1.23x at K=1 saves 1 - 1/1.23 = 0.19 steps a token; reading 200 tokens costs
+    (20 + 200·4) / 100 = 8.2 steps: it pays back over 44 tokens, not over 40."""
+    costs = Costs(100, 30, 0.2, {1: 1.2}, catch_up_row_ms=4, catch_up_pass_ms=20)
+    gain = 1 - 1 / (1.85 / 1.5)
+    ctrl = Controller(DecodeConfig(k_max=1), costs, alpha0=0.85)
+    assert ctrl.pays_to_read(200, 45) and ctrl.mode is Mode.SPEC
+    assert 8.2 / gain == pytest.approx(43.3, abs=0.1)
+    assert not ctrl.pays_to_read(200, 40)
+    assert ctrl.mode is Mode.PLAIN
+    reason = ctrl.take_reason() or ""
+    assert "read of 200 tokens (8.2 steps) would not pay back in the 40 tokens" in reason
+    assert "probing again in 24 tokens" in reason
+    # At the probe the stretch is read again or not; refused, the wait doubles.
+    for _ in range(Controller.PROBE_AFTER):
+        assert ctrl.next()[0] is Mode.PLAIN
+        ctrl.observe_plain(100)
+    assert ctrl.next()[0] is Mode.SPEC
+    ctrl.take_reason()
+    assert not ctrl.pays_to_read(24, 2)
+    assert "probing again in 48 tokens" in (ctrl.take_reason() or "")
+    forced = Controller(DecodeConfig(k=1), costs, alpha0=0.85)
+    assert forced.pays_to_read(200, 1)  # a fixed K is the user's choice
