@@ -606,6 +606,10 @@ class ChatSession:
         generator.manual_seed(
             cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(4), "little")
         )
+        if drafter is self._composed_ahead and not self._read_pays(ids, cfg):
+            # Drafting ahead, the draft reads the prompt on a core the target's steps lose;
+            # composed, the turn decodes with copies and plain steps instead, serially.
+            drafter = self._spec_drafter(cfg, self.drafter) if self.drafter else drafter
         composed = drafter if isinstance(drafter, ComposedDrafter) else None
         ahead = self._ahead if self._ahead is not None and drafter in (
             self._ahead, self._composed_ahead
@@ -640,6 +644,14 @@ class ChatSession:
             reply=ReplyFilter(cfg.stop),
             generator=generator,
         )
+
+    def _read_pays(self, ids: list[int], cfg: DecodeConfig) -> bool:
+        """Whether the draft model's read of what it lacks of `ids` pays back in the reply's
+        budget at the serial costs (Controller.pays_to_read; its reason is the turn's to give)."""
+        if not isinstance(self.drafter, ModelDrafter):
+            return True
+        unread = self.drafter.unread([*ids, 0])  # after the target's first token
+        return Controller(cfg, self.costs).pays_to_read(unread, cfg.max_new_tokens - 1)
 
     def _takes_trees(self, mode: Mode) -> bool:
         """Whether spec's draft model or eagle's head may draft trees (tree.py): the target

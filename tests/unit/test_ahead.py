@@ -287,3 +287,31 @@ def test_a_draft_that_cannot_keep_up_ends_running_ahead_for_the_turn(
     assert tokens_of(events) == tokens_of(
         list(plain.stream("Once upon a time", DecodeConfig(mode=Mode.PLAIN, max_new_tokens=40)))
     )
+
+
+def test_a_prompt_read_that_cannot_pay_back_keeps_a_composed_turn_serial(
+    target: torch.nn.Module,
+) -> None:
+    """Running ahead, the draft would read the prompt on a core the target's steps lose: at
+    costs where that read cannot pay back in the reply's budget, the composed turn starts
+    serial, never drafts with the model, and says why; it stays exact."""
+    session = make(target)
+    session.costs = costs_module.Costs(
+        100.0, 20.0, 0.2, {1: 1.2, 4: 2.0}, catch_up_row_ms=0.0, catch_up_pass_ms=5000.0
+    )
+    session._ahead_costs = costs_module.AheadCosts(
+        costs_module.Costs(40.0, 0.0, verify_at={1: 1.2}), 40.0, 10.0, grid(0.0)
+    )
+    session.set_ahead("auto")
+    assert session.drafts_ahead
+    events = list(session.stream("Once upon a time", DecodeConfig(max_new_tokens=40)))
+    rounds = [e for e in events if isinstance(e, RoundEvent)]
+    assert {e.drafter for e in rounds if e.k} <= {"lookup"}
+    reasons = [e.fallback_reason for e in rounds if e.fallback_reason]
+    assert any("would not pay back" in r for r in reasons), reasons
+    assert not any(r.startswith("the draft runs ahead") for r in reasons)
+    assert session._ahead is not None and not session._ahead.running
+    plain = make(target)
+    assert tokens_of(events) == tokens_of(
+        list(plain.stream("Once upon a time", DecodeConfig(mode=Mode.PLAIN, max_new_tokens=40)))
+    )
