@@ -606,15 +606,17 @@ class ChatSession:
         generator.manual_seed(
             cfg.seed if cfg.seed is not None else int.from_bytes(os.urandom(4), "little")
         )
-        if drafter is self._composed_ahead and not self._read_pays(ids, cfg):
-            # Drafting ahead, the draft reads the prompt on a core the target's steps lose;
-            # composed, the turn decodes with copies and plain steps instead, serially.
-            drafter = self._spec_drafter(cfg, self.drafter) if self.drafter else drafter
-        composed = drafter if isinstance(drafter, ComposedDrafter) else None
         ahead = self._ahead if self._ahead is not None and drafter in (
             self._ahead, self._composed_ahead
         ) else None
         serial = self._spec_drafter(cfg, self.drafter) if ahead and self.drafter else None
+        ahead_on = ahead is not None
+        auto = self._ahead_way == "auto"
+        if ahead_on and auto and drafter is self._composed_ahead and not self._read_pays(ids, cfg):
+            # Drafting ahead, the draft reads the prompt on a core the target's steps lose;
+            # composed, the turn starts serially, with copies and plain steps.
+            drafter, ahead_on = serial, False
+        composed = drafter if isinstance(drafter, ComposedDrafter) else None
         return Turn(
             cfg=cfg,
             run_mode=run_mode,
@@ -623,16 +625,16 @@ class ChatSession:
             early_exit=early_exit,
             controller=Controller(  # the draft ahead keeps a chain of its own
                 cfg,
-                self._costs_for(run_mode, ahead is not None),
-                tree=self._takes_trees(run_mode) and ahead is None,
+                self._costs_for(run_mode, ahead_on),
+                tree=self._takes_trees(run_mode) and not ahead_on,
             ),
             copier=(
-                Controller(cfg, self._costs_for(Mode.LOOKUP, ahead is not None))
+                Controller(cfg, self._costs_for(Mode.LOOKUP, ahead_on))
                 if composed
                 else None
             ),
             ahead=ahead,
-            ahead_on=ahead is not None,
+            ahead_on=ahead_on,
             ahead_auto=ahead is not None and self._ahead_way == "auto",
             serial=serial,
             seq=self.tokens,
@@ -778,7 +780,9 @@ class ChatSession:
         )
         if starved:  # the draft does not keep up here, whatever the timings predicted
             turn.ahead_refuted = True
-        want = not turn.ahead_refuted and figures.prefers(alpha, turn.ahead_on)
+        # Not while the draft model is off: running ahead, it would read all it missed.
+        drafting = turn.controller.mode is Mode.SPEC
+        want = not turn.ahead_refuted and drafting and figures.prefers(alpha, turn.ahead_on)
         if want == turn.ahead_on:
             return None
         if want:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from specchat.engine.config import DecodeConfig, Mode
@@ -267,3 +269,17 @@ def test_a_long_read_is_made_only_where_the_reply_can_pay_it_back() -> None:
     assert "probing again in 48 tokens" in (ctrl.take_reason() or "")
     forced = Controller(DecodeConfig(k=1), costs, alpha0=0.85)
     assert forced.pays_to_read(200, 1)  # a fixed K is the user's choice
+
+
+def test_a_read_is_priced_with_the_first_pass_a_round_pays() -> None:
+    """A draft step of 0.2 (one row, one thread) but a first pass over a round's two pending
+    rows of 0.5 (20 + 2·15 ms): at K=1 and α 0.85 a round brings 1.85 tokens for 1.7 steps,
+    not 1.4, so reading 100 tokens (15.2 steps) does not pay back in 150 tokens (gain 12.2)
+    though it would at the one-row step (gain 36.5)."""
+    costs = Costs(100, 20, 0.2, {1: 1.2}, catch_up_row_ms=15, catch_up_pass_ms=20)
+    ctrl = Controller(DecodeConfig(k_max=1), costs, alpha0=0.85)
+    assert ctrl.speedup(1) == pytest.approx(1.85 / 1.4)
+    assert not ctrl.pays_to_read(100, 150)
+    assert "at 1.09x (K=1, gain 12.2 steps)" in (ctrl.take_reason() or "")
+    cheap = Controller(DecodeConfig(k_max=1), replace(costs, catch_up_row_ms=1.0), alpha0=0.85)
+    assert cheap.pays_to_read(100, 150)
