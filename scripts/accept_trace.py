@@ -370,8 +370,8 @@ def replay_composed(
         mode, k = model.next() if use_model else (Mode.PLAIN, 0)
         k = min(k, remaining - 1, max(verify))
         # as the session: the read of a prompt or plain stretch only where it pays back
-        read = mode is not Mode.PLAIN and use_copy and unseen > 2
-        if read and not model.pays_to_read(unseen - 1, remaining):
+        invests = mode is not Mode.PLAIN and use_copy and unseen > 2 and (not drafted or model.probing)
+        if invests and not model.pays_to_read(unseen - 1, remaining):
             mode = Mode.PLAIN
         if mode is Mode.PLAIN or k < 1:
             cost, t, unseen = cost + 1, t + 1, unseen + 1
@@ -383,7 +383,7 @@ def replay_composed(
             read = feed_cost(feed, unseen - 1)
             cost += read
             if drafted and priced:
-                model.observe_catch_up(unseen, read * step)
+                model.observe_catch_up(unseen - 1, read * step)
             unseen = 1
         drafted = True
         acc = 0

@@ -127,6 +127,11 @@ class Controller:
         return self._copy_reads / self._copy_gaps
 
     @property
+    def probing(self) -> bool:
+        """The round now is a probe after a plain stretch (until its observation)."""
+        return self._probing
+
+    @property
     def choose_siblings(self) -> bool:
         return self.tree and self.cfg.siblings is None
 
@@ -218,7 +223,9 @@ class Controller:
         """The best chain's K and speedup as a round pays them before any was measured: its
         first draft pass reads the two rows the last round left (priced as a catch-up pass
         over two: on one thread a draft step is cheaper than that pass on all), the rest are
-        steps. A Zen 3's 0.5B: c 0.30 a step at load, 0.48 the first pass, 0.47 in flight."""
+        steps. A Zen 3's 0.5B: c 0.30 a step at load, 0.48 the first pass, 0.47 in flight.
+        Once c is learnt in flight it holds the first pass's share already, so K > 1 is
+        priced on the dear side here: a read is declined, if wrongly, for a lower gain."""
         c = self.costs.ratio() or 0.0
         first = max(c, self.costs.catch_up_ratio(2))
         alpha = min(self.alpha, 0.99)

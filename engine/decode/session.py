@@ -697,16 +697,21 @@ class ChatSession:
             else:  # a round the model could draft: it would read the copies' tokens first
                 ctl.observe_copies(turn.copied)
                 turn.copied = 0
+        # Composed, the serial draft model's reads: what it lacks before this round.
+        model = drafter if turn.composed is not None and not copy else None
+        model = model if isinstance(model, ModelDrafter) else None
+        unread = 0
         if turn.speculative:
             mode, k = ctl.next()
             remaining = cfg.max_new_tokens - turn.tally.generated
             k = min(k, remaining - 1, self.context_length - len(seq) - 1)
-            model = drafter if turn.composed is not None and not copy else None
-            if mode is not Mode.PLAIN and isinstance(model, ModelDrafter):
-                # The draft's read of a prompt or a plain stretch is an investment: composed,
-                # copies and plain steps are the way without it.
+            if mode is not Mode.PLAIN and model is not None:
                 unread = model.unread(seq)
-                if unread and not ctl.pays_to_read(unread, remaining):
+                # Its read of the prompt, or of a plain stretch before a probe, is an
+                # investment: copies and plain steps are the way without it. (What copies
+                # leave between its rounds is priced in every round, as o.)
+                invests = not turn.model_drafted or ctl.probing
+                if unread and invests and not ctl.pays_to_read(unread, remaining):
                     mode = Mode.PLAIN
         else:
             mode, k = turn.run_mode, 0
@@ -721,11 +726,10 @@ class ChatSession:
                 self.target_runner, drafter, seq, k, cfg, turn.generator, siblings
             )
             if res.k:
-                unseen = turn.model_unseen if turn.composed is not None and not copy else None
-                if unseen is not None and unseen > ModelDrafter.PENDING_IN_PROPOSE:
-                    # A catch-up pass read about the tokens since the model's last round
-                    # (the prompt read before its first is priced at load, not learnt).
-                    ctl.observe_catch_up(unseen, res.catch_up_ms)
+                # A timed catch-up pass prices a row (the prompt read before the model's first
+                # round is priced at load; on a GPU the timer would see launches only).
+                if unread and turn.model_drafted and model is not None and model.runner.device.type == "cpu":
+                    ctl.observe_catch_up(unread, res.catch_up_ms)
                 ctl.observe_round(
                     res.k, res.accepted, res.draft_ms, res.verify_ms, res.siblings, res.off_chain,
                     res.guessed if res.siblings else None,
@@ -744,14 +748,11 @@ class ChatSession:
             round_mode = Mode.PLAIN
         reason = "; ".join(r for r in (switched, ctl.take_reason() or reason) if r) or None
         turn.tally.round(res, reason)
-        if turn.composed is not None:
-            emitted = len(res.tokens)
-            if copy and res.k:
-                turn.copied += emitted
-            if res.k and not copy:  # the model drafted: it has read all but its pending rows
-                turn.model_unseen = 0
-            elif turn.model_unseen is not None:
-                turn.model_unseen += emitted
+        if turn.composed is not None and res.k:
+            if copy:
+                turn.copied += len(res.tokens)
+            else:
+                turn.model_drafted = True
         return res, round_mode, reason
 
     # Rounds between two changes of way (ahead or serial), so each is measured before the
@@ -780,7 +781,9 @@ class ChatSession:
         )
         if starved:  # the draft does not keep up here, whatever the timings predicted
             turn.ahead_refuted = True
-        # Not while the draft model is off: running ahead, it would read all it missed.
+        # Not while the draft model is off: running ahead, it would read all it missed and
+        # take a core from the target's plain steps (so a turn ahead whose controller falls
+        # back goes serial at the next choice, whatever the figures' margin).
         drafting = turn.controller.mode is Mode.SPEC
         want = not turn.ahead_refuted and drafting and figures.prefers(alpha, turn.ahead_on)
         if want == turn.ahead_on:

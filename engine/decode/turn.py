@@ -47,10 +47,9 @@ class Turn:
     drafted_at: int = 0
     ahead_refuted: bool = False  # running ahead starved this turn: serial to its end
     # Composed spec: tokens copied since the last round the lookup did not draft, and
-    # tokens since the draft model last drafted (None until it has: its first catch-up
-    # reads the prompt, which says nothing of what a copy costs it).
+    # whether the draft model has drafted this turn (its first read is the prompt's).
     copied: int = 0
-    model_unseen: int | None = None
+    model_drafted: bool = False
     tally: Tally = field(default_factory=lambda: Tally())
 
     @property

@@ -199,7 +199,9 @@ def test_bench_command_compares_two_configs_in_one_run(
     out = tmp_path / "out"
     argv = ["bench", "--prompts", str(prompts), "--target", str(STORIES), "--draft", str(STORIES)]
     argv += ["--configs", "none,none:bfloat16", "--modes", "plain,spec", "--limit", "1"]
-    argv += ["--max-new-tokens", "8", "--repeats", "1", "--threads", "1", "--out", str(out)]
+    # K fixed: in 8 tokens the adaptive controller would not pay for the draft's prompt read.
+    argv += ["--max-new-tokens", "8", "--repeats", "1", "--threads", "1", "--k", "2"]
+    argv += ["--out", str(out)]
     assert main(argv) == 0
     data = json.loads((out / "result.json").read_text(encoding="utf-8"))
     arms = ["plain@none", "spec@none", "plain@none:bfloat16", "spec@none:bfloat16"]

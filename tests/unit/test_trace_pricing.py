@@ -72,11 +72,18 @@ def test_composition_without_a_copy_prices_as_the_model_alone(trace: ModuleType)
     match = [int(rng.random() < 0.8) for _ in reply]
     p = _prompt(prompt, reply, match)
     verify = {k: 1.0 + 0.1 * k for k in range(1, 9)}
-    model, _ = trace.replay_composed(p, "model", 0.4, verify, FEED)
-    composed, rounds = trace.replay_composed(p, "composed", 0.4, verify, FEED)
-    lookup, _ = trace.replay_composed(p, "lookup", 0.4, verify, FEED)
+    cheap = {1: 0.4, 48: 0.4}  # a pass costs a draft step, however long: reads pay back
+    model, _ = trace.replay_composed(p, "model", 0.4, verify, cheap)
+    composed, rounds = trace.replay_composed(p, "composed", 0.4, verify, cheap)
+    lookup, _ = trace.replay_composed(p, "lookup", 0.4, verify, cheap)
     assert rounds["copy"] == 0 and composed == pytest.approx(model)
     assert lookup == pytest.approx(1.0)
+    # A prompt read dearer than the model's rounds can save in 120 tokens (40 + 0.8 a
+    # token: 72 steps): composed declines it, as the session does, and runs plain.
+    dear = {1: 0.4, 24: 19.2, 48: 38.4}
+    declined, rounds = trace.replay_composed(p, "composed", 0.4, verify, dear)
+    assert rounds["model"] == 0 and declined == pytest.approx(1.0)
+    assert trace.replay_composed(p, "model", 0.4, verify, dear)[0] < 1.0
 
 
 def test_a_reply_that_copies_the_prompt_is_drafted_by_the_lookup(trace: ModuleType) -> None:
