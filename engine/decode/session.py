@@ -635,7 +635,7 @@ class ChatSession:
             ),
             ahead=ahead,
             ahead_on=ahead_on,
-            ahead_auto=ahead is not None and self._ahead_way == "auto",
+            ahead_auto=ahead is not None and auto,
             serial=serial,
             seq=self.tokens,
             earlier=earlier,
