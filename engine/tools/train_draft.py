@@ -360,9 +360,9 @@ def validate(head: EagleHead, embed: torch.nn.Module, seqs: list[Sequence], k: i
     Returns acceptance by position (P(draft s accepted | drafts before it were)),
     mean accepted drafts per round at K = 1..k and the positions it saw."""
     t2d = head.target_to_draft()
-    accepted_at = torch.zeros(k)  # chains whose first s+1 drafts were accepted
-    chains = 0
     dev = head.norm.weight.device
+    accepted_at = torch.zeros(k, device=dev)  # chains whose first s+1 drafts were accepted
+    chains = 0
     for seq in seqs:
         assert seq.feats is not None
         s = len(seq.ids)
@@ -372,14 +372,17 @@ def validate(head: EagleHead, embed: torch.nn.Module, seqs: list[Sequence], k: i
         # (an id outside the draft vocabulary, -1, is never drafted).
         greedy = torch.cat([t2d[ids[2:]], t2d.new_full((1,), -1)])  # [S-1]
         hits = torch.stack([o.argmax(-1) == greedy for o in outs])  # [k, S-1] step s at row j
-        for m in range(max(seq.start - 2, 0), s - 1 - k):
-            run = torch.stack([hits[i, m + i] for i in range(k)]).long()
-            prefix = torch.cumprod(run, 0)
-            accepted_at += prefix.float()
-            chains += 1
+        lo, hi = max(seq.start - 2, 0), s - 1 - k  # the chains leaving at rows lo..hi-1
+        if hi <= lo:
+            continue
+        # run[i, n]: draft i of the chain leaving at row lo + n hit (one tensor op per
+        # draft position, not a host round trip per chain: on a GPU that is the cost)
+        run = torch.stack([hits[i, lo + i : hi + i] for i in range(k)]).long()
+        accepted_at += torch.cumprod(run, 0).sum(1).float()
+        chains += hi - lo
     if not chains:
         return {"chains": 0}
-    reach = accepted_at / chains  # P(first s+1 drafts accepted)
+    reach = accepted_at.cpu() / chains  # P(first s+1 drafts accepted)
     by_position = [float(reach[0])] + [
         float(reach[i] / reach[i - 1]) if reach[i - 1] > 0 else 0.0 for i in range(1, k)
     ]

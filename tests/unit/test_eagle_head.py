@@ -333,3 +333,30 @@ def test_ctrl_c_while_collecting_keeps_what_was_collected(target, tmp_path: Path
     with pytest.raises(ValueError, match="no data collected before"):
         collect(tgt, TrainOptions(**{**vars(opts), "collect": False}), tmp_path / "empty", budget,
                 lambda _e: None, said.append, lambda: False)  # fmt: skip
+
+
+def test_validation_counts_every_chain_as_one_chain_at_a_time_would(trained) -> None:
+    """validate() takes all chains of a reply in one tensor operation per draft position;
+    a chain leaving at row m, counted alone, must give the same acceptance (the trained
+    head of the fixture, its held-out replies, K=4)."""
+    tgt, opts, result = trained
+    seqs = torch.load(opts.out / "work" / "data.pt", weights_only=True)["seqs"]
+    held = [Sequence(**s) for s in seqs if s["held_out"]]
+    head, embed, k = result.head.eval(), tgt.model.get_input_embeddings(), 4
+    t2d = head.target_to_draft()
+    reach, chains = torch.zeros(k), 0
+    with torch.inference_mode():
+        for seq in held:
+            ids = torch.tensor(seq.ids)
+            outs = head.unrolled(embed(ids[1:]).float(), seq.feats[: len(ids) - 1].float(), k)
+            greedy = torch.cat([t2d[ids[2:]], t2d.new_full((1,), -1)])
+            for m in range(max(seq.start - 2, 0), len(ids) - 1 - k):
+                ok = True
+                for i in range(k):
+                    ok = ok and int(outs[i][m + i].argmax()) == int(greedy[m + i])
+                    reach[i] += ok
+                chains += 1
+    got = validate(head, embed, held, k)
+    assert got["chains"] == chains > 0
+    assert got["mean_accepted"][k] == pytest.approx(float(reach.sum()) / chains)
+    assert got["acceptance_by_position"][0] == pytest.approx(float(reach[0]) / chains)
