@@ -31,7 +31,9 @@ For bnb-nf4 and bnb-int8 (and a float32 control) this script
    weights: no weights travel to a lent machine) in bfloat16 and bnb-nf4, the
    quantization CUDA loads by default: a target step, verify passes of 2..7 rows,
    a draft step and a head step, so c of the 0.5B draft and of the head on this GPU;
-8. the devices panel's probes (engine/tools/probes.py): what the panel would show.
+8. the devices panel's probes (engine/tools/probes.py): what the panel would show;
+9. `train-draft`'s stages on a target of the 1.5B's shape (random weights): the
+   features' and the training's tokens a second on this device.
 
 It installs nothing, needs no network and finishes in about five minutes
 (sections 1-5 about one, 6 the training budget plus a minute, 7 about one). Exit status: 0 all identities held, 1 one failed, 2 no CUDA (nothing
@@ -622,6 +624,45 @@ def full_shapes(device: torch.device, modes: list[QuantMode], tmp: Path) -> None
         )
 
 
+def train_throughput(device: torch.device, tmp: Path, minutes: float) -> None:
+    """Section 9: `train-draft`'s stages on a target of the 1.5B's shape (random weights,
+    bfloat16): how many tokens a second the features and the training steps take here."""
+    from specchat.engine.tools.train_draft import TrainOptions, train
+    from specchat.engine.weights.loading import LoadedModel, describe
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.tinymodels import chatml_tokenizer
+
+    print(f"\n9. train-draft on the 1.5B's shape (random weights, bfloat16), {minutes} min")
+    model = qwen_shaped(QWEN_15B, 1, tmp / "train-t", QuantMode.NONE, device)
+    info = describe(model, "target", "qwen2.5-1.5b-shaped", "code", device, torch.bfloat16,
+                    QuantMode.NONE)  # fmt: skip
+    target = LoadedModel(model, chatml_tokenizer(), device, torch.bfloat16, info)
+    opts = TrainOptions(
+        minutes=minutes,
+        reply_tokens=32,
+        max_texts=400,
+        out=tmp / "train-head",
+        eval_every_s=1e9,
+        prompts=tuple(f"tell me about {w}" for w in ("rain", "maps", "code", "tea", "sql", "go")),
+    )
+    said: list[str] = []
+
+    def say(line: str) -> None:
+        said.append(line)
+        if line.startswith(("data:", "training:", "train:", "features:", "held-out", "cost")):
+            print(line)
+
+    t0 = time.perf_counter()
+    report = train(target, opts, say=say).report
+    print(
+        f"train-draft ran {time.perf_counter() - t0:.0f} s in all; training "
+        f"{report['train_tokens_per_s']:.0f} tokens/s ({report['precision']}); the trained "
+        f"head's step {report['head_step_ms']:.2f} ms against the target's "
+        f"{report['target_step_ms']:.2f} ms"
+    )
+
+
 def devices_probe(device: torch.device) -> None:
     """Section 8: one sample of the devices panel's probes, as the panel reads them."""
     from specchat.engine.tools.probes import sample_system
@@ -648,7 +689,7 @@ def main() -> int:
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (tries the script)")
     parser.add_argument(
         "--sections",
-        default="1,3,4,5,6,7,8",
+        default="1,3,4,5,6,7,8,9",
         help="which sections to run (1 covers 1-2; default all)",
     )
     parser.add_argument(
@@ -743,6 +784,8 @@ def main() -> int:
             full_shapes(device, [QuantMode.NONE, *nf4], Path(tmp))
         if 8 in sections:
             devices_probe(device)
+        if 9 in sections:
+            train_throughput(device, Path(tmp), args.train_minutes)
 
     print(
         f"\n{'all identities held' if not failures else f'{failures} identity check(s) FAILED'}"
