@@ -612,9 +612,13 @@ class ChatSession:
         serial = self._spec_drafter(cfg, self.drafter) if ahead and self.drafter else None
         ahead_on = ahead is not None
         auto = self._ahead_way == "auto"
-        if ahead_on and auto and drafter is self._composed_ahead and not self._read_pays(ids, cfg):
-            # Drafting ahead, the draft reads the prompt on a core the target's steps lose;
-            # composed, the turn starts serially, with copies and plain steps.
+        if ahead_on and auto and drafter is self._composed_ahead:
+            # Composed, the turn starts serially and chooses its way after its first rounds
+            # (_choose_way), from the acceptance they measure. Started ahead, the draft
+            # would read the prompt on the core the target's steps lose, before anything
+            # says that the model's drafts pay on this prompt; serially, the read is a
+            # catch-up pass on every core that the controller weighs first (pays_to_read),
+            # and a later switch ahead reads only what the draft lacks by then.
             drafter, ahead_on = serial, False
         composed = drafter if isinstance(drafter, ComposedDrafter) else None
         return Turn(
@@ -646,14 +650,6 @@ class ChatSession:
             reply=ReplyFilter(cfg.stop),
             generator=generator,
         )
-
-    def _read_pays(self, ids: list[int], cfg: DecodeConfig) -> bool:
-        """Whether the draft model's read of what it lacks of `ids` pays back in the reply's
-        budget at the serial costs (Controller.pays_to_read; its reason is the turn's to give)."""
-        if not isinstance(self.drafter, ModelDrafter):
-            return True
-        unread = self.drafter.unread([*ids, 0])  # after the target's first token
-        return Controller(cfg, self.costs).pays_to_read(unread, cfg.max_new_tokens - 1)
 
     def _takes_trees(self, mode: Mode) -> bool:
         """Whether spec's draft model or eagle's head may draft trees (tree.py): the target

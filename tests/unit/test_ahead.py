@@ -260,7 +260,8 @@ def test_a_draft_that_cannot_keep_up_ends_running_ahead_for_the_turn(
     target: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Figures that say ahead pays everywhere, a draft too slow to have anything ready:
-    after AHEAD_STARVED_ROUNDS rounds the turn goes serial for good, says why, stays exact."""
+    after AHEAD_STARVED_ROUNDS rounds the turn goes serial for good, says why, stays exact.
+    (The draft model alone: such a turn starts ahead; a composed one starts serially.)"""
     import time
 
     session = make(target)
@@ -277,7 +278,8 @@ def test_a_draft_that_cannot_keep_up_ends_running_ahead_for_the_turn(
         return next_row(seq)
 
     monkeypatch.setattr(drafter, "_next_row", slow)
-    events = list(session.stream("Once upon a time", DecodeConfig(max_new_tokens=40)))
+    cfg = DecodeConfig(max_new_tokens=40, compose=False)
+    events = list(session.stream("Once upon a time", cfg))
     reasons = [e.fallback_reason for e in events if isinstance(e, RoundEvent) and e.fallback_reason]
     assert any("does not keep up" in r for r in reasons), reasons
     assert not any(r.startswith("the draft runs ahead") for r in reasons)
@@ -314,4 +316,33 @@ def test_a_prompt_read_that_cannot_pay_back_keeps_a_composed_turn_serial(
     plain = make(target)
     assert tokens_of(events) == tokens_of(
         list(plain.stream("Once upon a time", DecodeConfig(mode=Mode.PLAIN, max_new_tokens=40)))
+    )
+
+
+def test_a_composed_turn_starts_serially_and_goes_ahead_on_what_its_rounds_measure(
+    target: torch.nn.Module,
+) -> None:
+    """Figures that say ahead pays at any acceptance, a read that pays: a composed auto
+    turn still starts serially (the draft reads the prompt in its first round, on every
+    core) and goes ahead only at its first choice, after AHEAD_SWITCH_ROUNDS rounds, saying
+    so with the acceptance it measured; the reply stays plain's."""
+    session = make(target)
+    session._ahead_costs = costs_module.AheadCosts(
+        costs_module.Costs(40.0, 0.0, verify_at={1: 1.2}), 40.0, 10.0, grid(0.0)
+    )
+    session.set_ahead("auto")
+    assert session.drafts_ahead and session._ahead is not None
+    session._ahead.min_ready = 2  # rounds that take drafts whatever the threads' timing
+    events = list(session.stream("Once upon a time", DecodeConfig(max_new_tokens=60)))
+    rounds = [e for e in events if isinstance(e, RoundEvent)]
+    went = [
+        i
+        for i, e in enumerate(rounds)
+        if (e.fallback_reason or "").startswith("the draft runs ahead")
+    ]
+    assert went and went[0] >= ChatSession.AHEAD_SWITCH_ROUNDS, [e.fallback_reason for e in rounds]
+    assert "α=" in (rounds[went[0]].fallback_reason or "")
+    plain = make(target)
+    assert tokens_of(events) == tokens_of(
+        list(plain.stream("Once upon a time", DecodeConfig(mode=Mode.PLAIN, max_new_tokens=60)))
     )
