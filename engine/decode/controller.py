@@ -195,11 +195,11 @@ class Controller:
             row = max(0.0, ms - self.costs.catch_up_pass_ms) / rows
             self.costs.catch_up_row_ms = _ema(self.costs.catch_up_row_ms, row)
 
-    def pays_to_read(self, rows: int, remaining: int) -> bool:
+    def pays_to_read(self, rows: int, remaining: int, left: str = "left") -> bool:
         """Whether the draft reading `rows` tokens it has not seen (a prompt, a plain stretch)
-        pays back within the `remaining` tokens the reply may take: the best round's gain
-        a token, 1 - 1/S, times those tokens, against the read. If not, plain decoding
-        until the next probe, with the reason."""
+        pays back within the `remaining` tokens the reply may take (`left` names them in
+        the reason): the best round's gain a token, 1 - 1/S, times those tokens, against
+        the read. If not, plain decoding until the next probe, with the reason."""
         read = self.costs.catch_up_ratio(rows)
         if not self.adaptive or not read or self.costs.ratio() is None:
             return True
@@ -214,7 +214,7 @@ class Controller:
         self._plain_since_probe = 0
         self._pending_reason = (
             f"plain: the draft's read of {rows} tokens ({read:.1f} steps) would not pay back "
-            f"in the {remaining} tokens left at {s:.2f}x (K={k}, gain {gain:.1f} steps); "
+            f"in the {remaining} tokens {left} at {s:.2f}x (K={k}, gain {gain:.1f} steps); "
             f"probing again in {self._probe_after} tokens"
         )
         return False

@@ -115,6 +115,10 @@ class ChatSession:
         self._approx_from: int | None = None
         self._cut = False  # the last reply stopped at the token limit: it can be continued
         self._unfinished = 0  # tokens at the end of the last reply whose text is not out yet
+        # How long this session's replies run when they end of themselves (eos, a stop
+        # string): the horizon a draft's read pays back in, where the token budget is far
+        # longer than a reply (the chat's 2,048). None until a reply has ended so.
+        self._reply_tokens: float | None = None
         self.turn = 0
         self.costs = Costs()
         # The siblings the user's configuration forces (--siblings S), for the Ready line
@@ -349,8 +353,9 @@ class ChatSession:
         self._messages[:] = turns
         self._window = 0
         self._cut = False
-        if drop_caches:
+        if drop_caches:  # a benchmark's cold start: nothing learnt from earlier replies
             self._drop_caches()
+            self._reply_tokens = None
 
     def _drop_caches(self) -> None:
         self.tokens = []
@@ -651,6 +656,30 @@ class ChatSession:
             generator=generator,
         )
 
+    # Weight of the newest reply in the typical length (an exponential mean).
+    REPLY_MEMORY = 0.5
+
+    def _read_horizon(self, turn: Turn, remaining: int) -> tuple[int, str]:
+        """The tokens a read now can pay back in, and how to name them: the budget left, or
+        less where this session's replies end sooner of themselves (a reply already past
+        its typical length is taken to run half that again)."""
+        if self._reply_tokens is None:
+            return remaining, "left"
+        typical = int(self._reply_tokens)
+        left = max(typical - turn.tally.generated, typical // 2, 1)
+        if left >= remaining:
+            return remaining, "left"
+        return left, f"a reply here has left (replies ran {typical} tokens)"
+
+    def _remember_length(self, stop_reason: str, generated: int) -> None:
+        """Keep the typical length of replies that ended of themselves."""
+        if stop_reason not in ("eos", "stop_string") or generated <= 0:
+            return
+        old = self._reply_tokens
+        self._reply_tokens = float(generated) if old is None else (
+            self.REPLY_MEMORY * generated + (1 - self.REPLY_MEMORY) * old
+        )
+
     def _takes_trees(self, mode: Mode) -> bool:
         """Whether spec's draft model or eagle's head may draft trees (tree.py): the target
         scores a tree's rows by their paths (its native decoder or row-wise attention)."""
@@ -707,8 +736,10 @@ class ChatSession:
                 # investment: copies and plain steps are the way without it. (What copies
                 # leave between its rounds is priced in every round, as o.)
                 invests = not turn.model_drafted or ctl.probing
-                if unread and invests and not ctl.pays_to_read(unread, remaining):
-                    mode = Mode.PLAIN
+                if unread and invests:
+                    horizon, why = self._read_horizon(turn, remaining)
+                    if not ctl.pays_to_read(unread, horizon, why):
+                        mode = Mode.PLAIN
         else:
             mode, k = turn.run_mode, 0
         reason = ctl.take_reason()
@@ -868,6 +899,8 @@ class ChatSession:
         else:
             self._messages.append(("assistant", text))
         self._cut = stop_reason == "max_tokens"
+        if not turn.continuing:
+            self._remember_length(stop_reason, turn.tally.generated)
         if stop_reason == "cancelled":
             yield Cancelled(turn.tally.generated, text)
             return

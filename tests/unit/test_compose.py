@@ -150,3 +150,50 @@ def test_a_prompt_read_that_cannot_pay_back_leaves_copies_and_plain_steps(
     assert any("the draft's read of" in r and "would not pay back" in r for r in reasons(got["dear"]))
     assert "tiny-draft" in drafters(got["free"])
     assert not any("would not pay back" in r for r in reasons(got["free"]))
+
+
+def test_the_read_pays_back_in_the_length_this_sessions_replies_run(
+    target: torch.nn.Module,
+) -> None:
+    """Weighed against a budget of 400 tokens, the draft's read of the prompt (0.2 of a
+    step a row) pays and the model drafts; where this session's replies ran 8 tokens when
+    they ended of themselves, the same read is weighed against those and declined, with
+    the reason; the tokens are plain's either way."""
+    from specchat.engine.decode.costs import Costs
+
+    prompt = "def add(a, b):\n    return a + b\n"
+    cfg = DecodeConfig(mode=Mode.SPEC, max_new_tokens=400)
+    plain = [
+        e.token_id
+        for e in pair_session(target).stream(prompt, cfg.with_(mode=Mode.PLAIN))
+        if isinstance(e, TokenEvent)
+    ]
+    got = {}
+    for name, typical in (("budget", None), ("short replies", 8.0)):
+        s = pair_session(target)
+        s.costs = Costs(100.0, 20.0, 0.2, {1: 1.2, 4: 2.0}, catch_up_row_ms=20.0, catch_up_pass_ms=0.0)
+        s._reply_tokens = typical
+        got[name] = list(s.stream(prompt, cfg))
+        assert [e.token_id for e in got[name] if isinstance(e, TokenEvent)] == plain
+    assert "tiny-draft" in drafters(got["budget"])
+    assert not any("would not pay back" in r for r in reasons(got["budget"]))
+    assert "tiny-draft" not in drafters(got["short replies"])
+    said = reasons(got["short replies"])
+    assert any("a reply here has left (replies ran 8 tokens)" in r for r in said), said
+
+
+def test_the_typical_reply_length_is_kept_from_replies_that_ended_of_themselves(
+    target: torch.nn.Module,
+) -> None:
+    s = pair_session(target)
+    s._remember_length("max_tokens", 500)  # cut by the budget: says nothing of the length
+    assert s._reply_tokens is None
+    s._remember_length("eos", 40)
+    s._remember_length("stop_string", 20)
+    assert s._reply_tokens == pytest.approx(30.0)
+    s._remember_length("cancelled", 2)
+    assert s._reply_tokens == pytest.approx(30.0)
+    s.reset()  # a new conversation with the same user: kept
+    assert s._reply_tokens == pytest.approx(30.0)
+    s.reset(drop_caches=True)  # a benchmark's cold start: forgotten
+    assert s._reply_tokens is None
