@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specchat.engine.config import DecodeConfig, Mode
+from specchat.engine.decode.session import ChatSession
 from specchat.engine.events import Provenance, RoundEvent, TokenEvent
 from tests.tinymodels import pair_session, tiny_llama, turn_finished
 
@@ -124,26 +125,39 @@ def reasons(events: list[object]) -> list[str]:
     return [e.fallback_reason for e in events if isinstance(e, RoundEvent) and e.fallback_reason]
 
 
+CODE = "def add(a, b):\n    return a + b\n"
+
+
+def plain_tokens(target: torch.nn.Module, cfg: DecodeConfig) -> list[int]:
+    """The target's own tokens for CODE at cfg's budget."""
+    events = pair_session(target).stream(CODE, cfg.with_(mode=Mode.PLAIN))
+    return [e.token_id for e in events if isinstance(e, TokenEvent)]
+
+
+def priced_session(target: torch.nn.Module, *, row_ms: float, pass_ms: float) -> ChatSession:
+    """A session at fixed costs: a step 100 ms, c 0.2, v(1) 1.2, v(4) 2.0, and a catch-up
+    pass of pass_ms + row_ms a row."""
+    from specchat.engine.decode.costs import Costs
+
+    s = pair_session(target)
+    s.costs = Costs(
+        100.0, 20.0, 0.2, {1: 1.2, 4: 2.0}, catch_up_row_ms=row_ms, catch_up_pass_ms=pass_ms
+    )
+    return s
+
+
 def test_a_prompt_read_that_cannot_pay_back_leaves_copies_and_plain_steps(
     target: torch.nn.Module,
 ) -> None:
     """At costs where the draft's read of the prompt outweighs what its rounds could save in
     the reply's budget, spec composed decodes as lookup alone: copies and plain steps, the
     target's tokens all the same, and says why; where the read is free the model drafts."""
-    from specchat.engine.decode.costs import Costs
-
-    prompt = "def add(a, b):\n    return a + b\n"
     cfg = DecodeConfig(mode=Mode.SPEC, max_new_tokens=48)
-    plain = [
-        e.token_id
-        for e in pair_session(target).stream(prompt, cfg.with_(mode=Mode.PLAIN))
-        if isinstance(e, TokenEvent)
-    ]
+    plain = plain_tokens(target, cfg)
     got = {}
     for name, pass_ms in (("dear", 5000.0), ("free", 0.0)):
-        s = pair_session(target)
-        s.costs = Costs(100.0, 20.0, 0.2, {1: 1.2, 4: 2.0}, catch_up_row_ms=0.0, catch_up_pass_ms=pass_ms)
-        events = list(s.stream(prompt, cfg))
+        s = priced_session(target, row_ms=0.0, pass_ms=pass_ms)
+        events = list(s.stream(CODE, cfg))
         assert [e.token_id for e in events if isinstance(e, TokenEvent)] == plain
         got[name] = events
     assert drafters(got["dear"]) == {"lookup"}
@@ -159,21 +173,13 @@ def test_the_read_pays_back_in_the_length_this_sessions_replies_run(
     step a row) pays and the model drafts; where this session's replies ran 8 tokens when
     they ended of themselves, the same read is weighed against those and declined, with
     the reason; the tokens are plain's either way."""
-    from specchat.engine.decode.costs import Costs
-
-    prompt = "def add(a, b):\n    return a + b\n"
     cfg = DecodeConfig(mode=Mode.SPEC, max_new_tokens=400)
-    plain = [
-        e.token_id
-        for e in pair_session(target).stream(prompt, cfg.with_(mode=Mode.PLAIN))
-        if isinstance(e, TokenEvent)
-    ]
+    plain = plain_tokens(target, cfg)
     got = {}
     for name, typical in (("budget", None), ("short replies", 8.0)):
-        s = pair_session(target)
-        s.costs = Costs(100.0, 20.0, 0.2, {1: 1.2, 4: 2.0}, catch_up_row_ms=20.0, catch_up_pass_ms=0.0)
+        s = priced_session(target, row_ms=20.0, pass_ms=0.0)
         s._reply_tokens = typical
-        got[name] = list(s.stream(prompt, cfg))
+        got[name] = list(s.stream(CODE, cfg))
         assert [e.token_id for e in got[name] if isinstance(e, TokenEvent)] == plain
     assert "tiny-draft" in drafters(got["budget"])
     assert not any("would not pay back" in r for r in reasons(got["budget"]))
