@@ -351,6 +351,14 @@ at::Tensor w4a8(const at::Tensor& x, const Projection& p) {
 // one-token step too) and the rest one row at a time.
 enum Rows : int64_t { kBatched = 0, kApart = 1, kFixed = 2 };
 
+// Row r of x [1, M, I] as a tensor of its own with a one-token step's strides (I, I, 1).
+// clone() alone keeps the narrowed view's (M * I, I, 1), and a 16-bit GEMM's kernel can
+// depend on the stride of a size-1 dimension: a float16 row of the tiny test model came
+// out otherwise than its step (Xeon with AVX512-FP16 and AMX, MKL 2024.2).
+at::Tensor row_alone(const at::Tensor& x, int64_t r) {
+  return x.narrow(1, r, 1).clone(at::MemoryFormat::Contiguous);
+}
+
 // nn.Linear on x [1, M, K], as `rows` says.
 at::Tensor dense(const Projection& p, const at::Tensor& x, int64_t rows) {
   auto bias = p.bias.defined() ? c10::optional<at::Tensor>(p.bias) : c10::nullopt;
@@ -361,7 +369,7 @@ at::Tensor dense(const Projection& p, const at::Tensor& x, int64_t rows) {
   std::vector<at::Tensor> out;
   out.reserve(m);
   for (int64_t r = 0; r < m; ++r)
-    out.push_back(at::linear(x.narrow(1, r, 1).clone(), p.weight, bias));
+    out.push_back(at::linear(row_alone(x, r), p.weight, bias));
   return at::cat(out, 1);
 }
 
@@ -404,7 +412,7 @@ at::Tensor silu(const at::Tensor& x, bool apart) {
   if (!apart || m == 1) return at::silu(x);
   std::vector<at::Tensor> out;
   out.reserve(m);
-  for (int64_t r = 0; r < m; ++r) out.push_back(at::silu(x.narrow(1, r, 1).clone()));
+  for (int64_t r = 0; r < m; ++r) out.push_back(at::silu(row_alone(x, r)));
   return at::cat(out, 1);
 }
 
