@@ -75,9 +75,9 @@ def main() -> None:
     ap.add_argument(
         "--w4a8-paths",
         default="",
-        help="avx2,avx512vnni[,avx512vnni:ROWS[:ROWS1]]: measure each w4a8 model on each of the "
-        "kernel's paths (ROWS: the fewest activation rows the VNNI code takes; ROWS1: on one "
-        "thread, ROWS where not given), switched "
+        help="avx2,avx512vnni[,avx512vnni:ROWS[:ROWS1]][,amx[:ROWS]]: measure each w4a8 model on "
+        "each of the kernel's paths (ROWS: the fewest activation rows the VNNI code takes, or "
+        "the AMX code; ROWS1: VNNI on one thread, ROWS where not given), switched "
         "between measurements of the same loaded model (rows labelled '<mode>@<path>'); "
         "default: the path this CPU chose",
     )
@@ -116,11 +116,14 @@ def main() -> None:
                 if path:
                     name, _, rows = path.partition(":")
                     min_rows, _, min_one = rows.partition(":")
-                    kernels.w4a8_use(
-                        name,
-                        int(min_rows or kernels.W4A8_VNNI_MIN_ROWS),
-                        int(min_one or min_rows or kernels.W4A8_VNNI_MIN_ROWS_ONE_THREAD),
-                    )
+                    if name == "amx":
+                        kernels.w4a8_use(name, amx_min_rows=int(min_rows or kernels.W4A8_AMX_MIN_ROWS))
+                    else:
+                        kernels.w4a8_use(
+                            name,
+                            int(min_rows or kernels.W4A8_VNNI_MIN_ROWS),
+                            int(min_one or min_rows or kernels.W4A8_VNNI_MIN_ROWS_ONE_THREAD),
+                        )
                 label = f"{mode}@{path}" if path else mode
                 for th in threads:
                     torch.set_num_threads(th)

@@ -8,8 +8,9 @@ The kernels register with torch (`torch.ops.specchat.w4a8_linear`,
 `torch.classes.specchat.Decoder`): no Python module,
 no pybind11, and parallel loops run on torch's own thread pool.
 
-The w4a8 kernel has two paths, AVX2 and AVX512-VNNI, that give the same bits;
-loading it picks VNNI where the CPU has it (`w4a8_choice`), $SPECCHAT_W4A8
+The w4a8 kernel has three paths, AVX2, AVX512-VNNI and AMX, that give the same
+bits; loading it picks the best the CPU has (`w4a8_choice`; AMX only where the
+operating system also grants the process the tile state), $SPECCHAT_W4A8
 overrides, and `w4a8_describe` says which runs (Ready's notes, bench reports).
 
 A machine that cannot build them (no compiler; w4a8 also needs x86 with
@@ -44,8 +45,9 @@ _FLAGS = {
 }
 _NEEDS_AVX2 = {"w4a8"}
 # The w4a8 kernel's paths, by the instruction sets each needs (the same bits from either).
-W4A8_PATHS = {"avx2": 0, "avx512vnni": 1}
-W4A8_ENV = "SPECCHAT_W4A8"  # auto (default), avx2 or avx512vnni
+W4A8_PATHS = {"avx2": 0, "avx512vnni": 1, "amx": 2}
+W4A8_NAMES = {"avx2": "AVX2", "avx512vnni": "AVX512-VNNI", "amx": "AMX"}
+W4A8_ENV = "SPECCHAT_W4A8"  # auto (default), avx2, avx512vnni or amx
 _w4a8_path: dict[str, str] = {}  # "path" and "why", once the kernel is loaded
 _lock = threading.Lock()
 _built: dict[str, str] = {}  # kernel -> library path, once loaded in this process
@@ -70,25 +72,35 @@ def cpu_supports(kernel: str, have: cpu.CpuFeatures | None = None) -> str | None
 
 
 def w4a8_choice(requested: str = "auto", have: cpu.CpuFeatures | None = None) -> tuple[str, str]:
-    """The w4a8 path for this CPU (or one that has `have`) and why: AVX512-VNNI where the CPU
-    has it with AVX-512 F, BW and VL, else AVX2. Raises QuantizationError for a path the CPU
-    cannot run or a name that is none."""
+    """The w4a8 path for this CPU (or one that has `have`) and why: AMX where the CPU has
+    AMX-INT8 (and AVX512-VNNI, which every such CPU has), else AVX512-VNNI where it has that
+    with AVX-512 F, BW and VL, else AVX2. Raises QuantizationError for a path the CPU cannot
+    run or a name that is none. (Whether the operating system grants AMX's tile state is
+    only known once the kernel asks: `_set_w4a8`.)"""
     have = have or cpu.features()
     vnni = have.x86 and have.has("avx512_f", "avx512_bw", "avx512_vl", "avx512_vnni")
+    amx = vnni and have.has("amx_tile", "amx_int8")
     want = requested.strip().lower() or "auto"
     if want == "auto":
+        if amx:
+            return "amx", "this CPU has AMX-INT8"
         if vnni:
             return "avx512vnni", "this CPU has AVX512-VNNI"
         return "avx2", "this CPU has no AVX512-VNNI"
     if want not in W4A8_PATHS:
         raise QuantizationError(
             f"{W4A8_ENV}={requested!r} names no w4a8 path",
-            hint=f"use auto, {' or '.join(W4A8_PATHS)}",
+            hint=f"use auto, {', '.join(W4A8_PATHS)}",
         )
     if want == "avx512vnni" and not vnni:
         raise QuantizationError(
             f"{W4A8_ENV}=avx512vnni: this CPU has no AVX512-VNNI ({have.summary()})",
             hint=f"unset {W4A8_ENV} (auto) or set it to avx2",
+        )
+    if want == "amx" and not amx:
+        raise QuantizationError(
+            f"{W4A8_ENV}=amx: this CPU has no AMX-INT8 ({have.summary()})",
+            hint=f"unset {W4A8_ENV} (auto) or set it to " + ("avx512vnni" if vnni else "avx2"),
         )
     return want, f"{W4A8_ENV}={want}"
 
@@ -99,29 +111,50 @@ def w4a8_choice(requested: str = "auto", have: cpu.CpuFeatures | None = None) ->
 # Zen 5 a 2-row block of the 1.5B costs 1.18 steps there against 1.48 (step 24).
 W4A8_VNNI_MIN_ROWS = 2
 W4A8_VNNI_MIN_ROWS_ONE_THREAD = 4
+# On the AMX path, calls of fewer rows than this take the VNNI code (same bits). A tile
+# product serves 16 rows at once, but each block's int32 sums must leave the tiles through
+# memory before their float steps, and that trip sets a floor: the 1.5B's 28 layers cost
+# 29.7 ms at one row on AMX against 23.5 on VNNI, break even at 8 rows (42.7 / 43.9) and
+# win from 9 (46.3 / 53.9; 16 rows 0.80x, a 44-row prompt 0.80x). Intel Xeon with AMX,
+# 2 threads (docs/performance.md, step 30).
+W4A8_AMX_MIN_ROWS = 9
 
 
 def w4a8_use(
     requested: str = "auto",
     vnni_min_rows: int = W4A8_VNNI_MIN_ROWS,
     vnni_min_rows_one_thread: int = W4A8_VNNI_MIN_ROWS_ONE_THREAD,
+    amx_min_rows: int = W4A8_AMX_MIN_ROWS,
 ) -> str:
     """Load the w4a8 kernel and make every later call take `requested`'s path; returns it.
-    On the VNNI path calls of fewer than `vnni_min_rows` rows run the AVX2 code (fewer than
-    `vnni_min_rows_one_thread` on one thread). (Loading takes $SPECCHAT_W4A8's path, auto
-    where unset; tests call this to compare.)"""
+    On the VNNI and AMX paths calls of fewer than `vnni_min_rows` rows run the AVX2 code
+    (fewer than `vnni_min_rows_one_thread` on one thread); on the AMX path calls of fewer
+    than `amx_min_rows` run the VNNI code by those rules. (Loading takes $SPECCHAT_W4A8's
+    path, auto where unset; tests call this to compare.)"""
     load("w4a8")
     with _lock:
-        return _set_w4a8(requested, vnni_min_rows, vnni_min_rows_one_thread)
+        return _set_w4a8(requested, vnni_min_rows, vnni_min_rows_one_thread, amx_min_rows)
 
 
 def _set_w4a8(
     requested: str,
     vnni_min_rows: int = W4A8_VNNI_MIN_ROWS,
     vnni_min_rows_one_thread: int = W4A8_VNNI_MIN_ROWS_ONE_THREAD,
+    amx_min_rows: int = W4A8_AMX_MIN_ROWS,
 ) -> str:
     path, why = w4a8_choice(requested)
-    torch.ops.specchat.w4a8_set_path(W4A8_PATHS[path], vnni_min_rows, vnni_min_rows_one_thread)
+    if path == "amx" and not torch.ops.specchat.w4a8_amx_permitted():
+        # Linux hands AMX's tile state only to a process that asks; a kernel (or a VM)
+        # that refuses leaves the VNNI code, which gives the same bits.
+        refused = "the operating system did not grant this process AMX's tile state"
+        if requested.strip().lower() not in ("", "auto"):
+            raise QuantizationError(
+                f"{W4A8_ENV}=amx: {refused}", hint=f"unset {W4A8_ENV} (auto) or set it to avx512vnni"
+            )
+        path, why = "avx512vnni", f"this CPU has AMX-INT8, but {refused}"
+    torch.ops.specchat.w4a8_set_path(
+        W4A8_PATHS[path], vnni_min_rows, vnni_min_rows_one_thread, amx_min_rows
+    )
     _w4a8_path.update(path=path, why=why)
     return path
 
@@ -132,7 +165,7 @@ def w4a8_default() -> str:
 
 
 def w4a8_path() -> str | None:
-    """The w4a8 path calls take now ("avx2" or "avx512vnni"), None before the kernel loads."""
+    """The w4a8 path calls take now ("avx2", "avx512vnni" or "amx"), None before the kernel loads."""
     return _w4a8_path.get("path")
 
 
@@ -140,13 +173,15 @@ def w4a8_describe() -> str | None:
     """One line for Ready and reports: which path the w4a8 kernel runs and why."""
     if "path" not in _w4a8_path:
         return None
-    name = {"avx2": "AVX2", "avx512vnni": "AVX512-VNNI"}[_w4a8_path["path"]]
-    rows = (
-        f" for blocks of {W4A8_VNNI_MIN_ROWS}+ rows ({W4A8_VNNI_MIN_ROWS_ONE_THREAD}+ on one thread)"
-        if _w4a8_path["path"] == "avx512vnni"
-        else ""
-    )
-    return f"w4a8 kernel: {name} path{rows} ({_w4a8_path['why']}; {W4A8_ENV}=avx2|avx512vnni|auto)"
+    path = _w4a8_path["path"]
+    vnni = f"{W4A8_VNNI_MIN_ROWS}+ rows ({W4A8_VNNI_MIN_ROWS_ONE_THREAD}+ on one thread)"
+    rows = {
+        "avx2": "",
+        "avx512vnni": f" for blocks of {vnni}",
+        "amx": f" for blocks of {W4A8_AMX_MIN_ROWS}+ rows (AVX512-VNNI below, from {vnni})",
+    }[path]
+    paths = "|".join(W4A8_PATHS)
+    return f"w4a8 kernel: {W4A8_NAMES[path]} path{rows} ({_w4a8_path['why']}; {W4A8_ENV}={paths}|auto)"
 
 
 def unavailable(kernel: str) -> str | None:

@@ -92,9 +92,9 @@ def _config_error(text: str, what: str) -> ConfigSpecError:
 def parse_config_spec(text: str, dtype: str = "auto") -> ConfigSpec:
     """`TARGETQUANT[/DRAFTQUANT[+vN]][:DTYPE][~W4A8PATH]`; the draft quantization defaults to
     the target's and the dtype to `dtype` (the --dtype flag); `+vN` gives the draft a
-    shortlist head over N ids (as --draft-vocab N does for every config); `~avx2` or
-    `~avx512vnni` runs the config's turns on that path of the w4a8 kernel (the same bits,
-    another speed), so both are priced in one interleaved run."""
+    shortlist head over N ids (as --draft-vocab N does for every config); `~avx2`,
+    `~avx512vnni` or `~amx` runs the config's turns on that path of the w4a8 kernel (the
+    same bits, another speed), so the paths are priced in one interleaved run."""
     label = text.strip().lower()
     if not label:
         raise _config_error(text, "it is empty")

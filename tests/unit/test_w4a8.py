@@ -273,7 +273,8 @@ def test_loading_says_when_it_compiles_the_kernel(
 
 # --------------------------------------------------------------------------- the two paths
 
-VNNI_MISSING = native.w4a8_choice("auto")[0] != "avx512vnni"
+VNNI_MISSING = native.w4a8_choice("auto")[0] not in ("avx512vnni", "amx")
+AMX_MISSING = native.w4a8_choice("auto")[0] != "amx"
 
 
 @pytest.fixture
@@ -296,11 +297,13 @@ def path_restored() -> object:
 @example(m=5, n=24, blocks=48, seed=0, group=32)  # a verify block of 5 on 3 row groups (odd: one left over)
 @example(m=17, n=16, blocks=1, seed=1, group=32)  # two passes of 8 rows and one of 1
 @example(m=3, n=40, blocks=7, seed=2, group=128)  # w4a8-g128, the 0.5B's 896 inputs
-def test_the_vnni_path_gives_the_avx2_paths_bits(
+def test_the_vnni_and_amx_paths_give_the_avx2_paths_bits(
     m: int, n: int, blocks: int, seed: int, group: int
 ) -> None:
-    """Same integer block sums, same float steps in the same order: the two paths agree bit for
-    bit, so a machine's choice changes no token (greedy identity and the packed cache hold)."""
+    """Same integer block sums, same float steps in the same order: the paths agree bit for
+    bit, so a machine's choice changes no token (greedy identity and the packed cache hold).
+    AMX where this CPU has it and the OS grants it (passes of up to 16 rows: m 17..19 take
+    two, the second reading padding rows)."""
     gen = torch.Generator().manual_seed(seed)
     k = group * blocks if group > 32 else 32 * blocks
     weight = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)
@@ -308,10 +311,12 @@ def test_the_vnni_path_gives_the_avx2_paths_bits(
     x[0, :32] = 0.0
     packed, scales, mins = qlinear.pack_w4a8(weight, group)
     out = {}
+    paths = ["avx2", "avx512vnni"] + ([] if AMX_MISSING else ["amx"])
     try:
-        for path in ("avx2", "avx512vnni"):
-            # VNNI code for every M, on one thread too
-            assert native.w4a8_use(path, vnni_min_rows=1, vnni_min_rows_one_thread=1) == path
+        for path in paths:
+            # VNNI (AMX) code for every M, on one thread too
+            used = native.w4a8_use(path, vnni_min_rows=1, vnni_min_rows_one_thread=1, amx_min_rows=1)
+            assert used == path
             out[path] = torch.ops.specchat.w4a8_linear(x, packed, scales, mins, n)
             # and each row alone, as a decode step computes it
             alone = [
@@ -323,7 +328,8 @@ def test_the_vnni_path_gives_the_avx2_paths_bits(
             )
     finally:
         native.w4a8_use("auto")
-    assert torch.equal(out["avx2"], out["avx512vnni"])
+    for path in paths[1:]:
+        assert torch.equal(out["avx2"], out[path]), path
 
 
 @needs_kernel
@@ -365,7 +371,15 @@ def test_the_path_is_chosen_from_the_cpu_and_said() -> None:
         native.w4a8_choice("avx512vnni", zen3)
     assert "avx2" in info.value.hint
     with pytest.raises(QuantizationError, match="names no w4a8 path"):
+        native.w4a8_choice("sse9", zen4)
+    spr = CpuFeatures("x86_64", zen4.flags | {"amx_tile", "amx_int8", "amx_bf16"}, "test")
+    assert native.w4a8_choice("auto", spr) == ("amx", "this CPU has AMX-INT8")
+    assert native.w4a8_choice("avx512vnni", spr)[0] == "avx512vnni"
+    with pytest.raises(QuantizationError, match="no AMX-INT8") as info:
         native.w4a8_choice("amx", zen4)
+    assert "avx512vnni" in info.value.hint
+    # AMX tiles without AVX512-VNNI (no such CPU, but the kernel's AMX code uses both)
+    assert native.w4a8_choice("auto", CpuFeatures("x86_64", spr.flags - {"avx512_vnni"}, "test"))[0] == "avx2"
 
 
 @needs_kernel
@@ -373,7 +387,7 @@ def test_the_loaded_kernel_says_its_path(path_restored: object) -> None:
     chosen = native.w4a8_choice("auto")[0]
     assert native.w4a8_path() == chosen
     line = native.w4a8_describe()
-    assert line is not None and ("AVX512-VNNI" if chosen == "avx512vnni" else "AVX2") in line
+    assert line is not None and f"{native.W4A8_NAMES[chosen]} path" in line
     native.w4a8_use("avx2")
     assert native.w4a8_path() == "avx2" and "AVX2 path (SPECCHAT_W4A8=avx2" in str(
         native.w4a8_describe()
@@ -387,6 +401,28 @@ def test_the_kernel_refuses_vnni_on_a_cpu_without_it(path_restored: object) -> N
     with pytest.raises(RuntimeError, match="no AVX512-VNNI"):
         torch.ops.specchat.w4a8_set_path(1, 4)
     assert native.w4a8_path() == "avx2"
+
+
+@needs_kernel
+@pytest.mark.skipif(not AMX_MISSING, reason="this CPU has AMX and the OS grants it: the kernel takes the path")
+def test_the_kernel_refuses_amx_where_it_cannot_run(path_restored: object) -> None:
+    """No AMX-INT8 on the CPU (or no tile state from the OS): an error, not a fault."""
+    with pytest.raises(RuntimeError, match="AMX"):
+        torch.ops.specchat.w4a8_set_path(2, 2, 4, 4)
+    assert torch.ops.specchat.w4a8_amx_permitted() is False
+
+
+@needs_kernel
+@pytest.mark.skipif(AMX_MISSING, reason=f"no AMX-INT8 here ({cpu.features().summary()})")
+def test_on_the_amx_path_short_blocks_keep_the_vnni_code(path_restored: object) -> None:
+    """AMX takes calls from W4A8_AMX_MIN_ROWS rows; shorter ones run the VNNI code by its own
+    rules (one row: AVX2), all the same bits."""
+    native.w4a8_use("amx")
+    amx, vnni = torch.ops.specchat.w4a8_takes_amx, torch.ops.specchat.w4a8_takes_vnni
+    least = native.W4A8_AMX_MIN_ROWS
+    assert not amx(least - 1) and amx(least) and amx(44)
+    assert not vnni(1) and vnni(max(native.W4A8_VNNI_MIN_ROWS, native.W4A8_VNNI_MIN_ROWS_ONE_THREAD))
+    assert "AMX path" in str(native.w4a8_describe())
 
 
 @needs_kernel

@@ -53,7 +53,7 @@ def add_parser(sub: Any) -> None:
         metavar="SPEC[,SPEC...]",
         help="model configurations to compare in one run, each "
         "TARGETQUANT[/DRAFTQUANT[+vN]][:DTYPE][~W4A8PATH] (draft quant: the target's; +vN: the "
-        "draft's head over N ids; dtype: --dtype; ~avx2 or ~avx512vnni: the w4a8 kernel's code "
+        "draft's head over N ids; dtype: --dtype; ~avx2, ~avx512vnni or ~amx: the w4a8 kernel's code "
         "for that config's runs), e.g. none:bfloat16,int8/int4,w8a8,w4a8/w4a8+v65536,w4a8~avx2; "
         "every mode runs on every config, labelled mode@config "
         "(default: one config from --target-quant/--draft-quant/--dtype)",

@@ -31,6 +31,11 @@
 // same order, so both paths give the same bits; which one runs is chosen at run time
 // (w4a8_set_path, from engine/model/native.py).
 //
+// On CPUs with AMX-INT8 a third path (`group_pair_amx`) takes calls of many rows
+// (prompts, big trees): one tdpbsud gives a block's 16 x 16 int32 sums for up to 16
+// activation rows and the same 16 weight rows, the same integers again, and the float
+// steps are the VNNI path's.
+//
 // Registered as torch.ops.specchat.w4a8_linear; compiled on first use (engine/native.py).
 
 #include <ATen/core/Tensor.h>
@@ -47,6 +52,8 @@
 #include <tuple>
 #include <type_traits>
 #include <vector>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace {
 
@@ -172,6 +179,7 @@ void group_rows(const uint8_t* w, const uint16_t* dw, const uint16_t* mw, int64_
 std::atomic<int> g_path{0};
 std::atomic<int64_t> g_vnni_min_rows{2};
 std::atomic<int64_t> g_vnni_min_rows_one{4};
+std::atomic<int64_t> g_amx_min_rows{4};  // path 2: calls of this many rows or more take AMX
 
 // 4 activation bytes, repeated for each of the 16 rows of two groups (vpdpbusd folds it
 // into an embedded broadcast).
@@ -267,7 +275,200 @@ SPECCHAT_VNNI void pair_all_rows(const uint8_t* W, const uint16_t* D, const uint
   row_passes<8>(M, rows);
 }
 
-// Choose the path (0 AVX2, 1 AVX512-VNNI from min_rows activation rows up) for every later
+
+// AMX (Intel Sapphire Rapids and later): tdpbsud multiplies a tile of up to 16
+// activation rows by 32 codes (signed bytes, straight from the quantized rows) with a
+// tile of those 32 codes for 16 weight rows (unsigned bytes, the two row groups'
+// nibbles unpacked to 8 rows of 64 bytes: row i holds codes 4i..4i+3 of each weight row,
+// load i's low nibbles; row 4 + i the high ones) into 16 x 16 int32 block sums: the
+// same exact integers vpdpbusd sums, one instruction for the block of every row of the
+// pass. The float steps after them are group_pair_vnni's, lane for lane: the same bits.
+#define SPECCHAT_AMX \
+  __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+// ldtilecfg's 64 bytes (palette 1): tile t has rows[t] rows of colsb[t] bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The tiles a pass of R activation rows uses: two sets (blocks b and b + 1 in flight
+// together, so one block's store and float steps overlap the next one's product).
+// Set s: C at 3s (R rows of 16 int32), A at 3s + 1 (R rows of 32 codes), B at 3s + 2.
+SPECCHAT_AMX void amx_configure(int R) {
+  TileConfig cfg;
+  for (int s = 0; s < 2; ++s) {
+    cfg.rows[3 * s] = static_cast<uint8_t>(R);
+    cfg.colsb[3 * s] = 64;
+    cfg.rows[3 * s + 1] = static_cast<uint8_t>(R);
+    cfg.colsb[3 * s + 1] = QK;
+    cfg.rows[3 * s + 2] = QK / 4;
+    cfg.colsb[3 * s + 2] = 64;
+  }
+  // (GCC's _tile_loadconfig tells the compiler it reads 8 bytes, which lets it drop the
+  // stores of the rest: the instruction is written here with the whole struct as input.)
+  asm volatile("ldtilecfg %0" ::"m"(cfg));
+}
+
+// Block b's codes for the two row groups as B's 8 rows of 64 bytes.
+SPECCHAT_AMX inline void unpack_pair(const uint8_t* wb0, const uint8_t* wb1, uint8_t* out) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int i = 0; i < 4; ++i) {
+    const __m512i raw = load_pair(wb0 + 32 * i, wb1 + 32 * i);
+    _mm512_store_si512(reinterpret_cast<__m512i*>(out + 64 * i), _mm512_and_si512(raw, low4));
+    _mm512_store_si512(reinterpret_cast<__m512i*>(out + 64 * (4 + i)),
+                       _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4));
+  }
+}
+
+// One block's int32 sums (in `sums`, 16 a row) into MC rows' float accumulators.
+template <int MC>
+SPECCHAT_AMX inline void amx_block_floats(const int32_t* sums, __m512 dv, __m512 mv, const float* ds,
+                                          const float* ss, int64_t nb, int64_t b, __m512* acc) {
+  for (int m = 0; m < MC; ++m) {
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_load_si512(sums + 16 * m));
+    acc[m] = _mm512_fmadd_ps(f, _mm512_mul_ps(dv, _mm512_set1_ps(ds[m * nb + b])), acc[m]);
+    acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(ss[m * nb + b]), acc[m]);
+  }
+}
+
+// MC activation rows (tiles configured for R >= MC; qa holds R rows from here, the
+// ones past MC padding) against two groups of 8 weight rows, AMX.
+template <int MC>
+SPECCHAT_AMX void group_pair_amx(const uint8_t* w0, const uint8_t* w1, const uint16_t* dw0,
+                                 const uint16_t* dw1, const uint16_t* mw0, const uint16_t* mw1,
+                                 int64_t nb, int gshift, const int8_t* qa, const float* ds,
+                                 const float* ss, int64_t K, float* y, int64_t N, int64_t n0,
+                                 int64_t n_valid) {
+  // Blocks b, b + 1 are unpacked an iteration before their tiles load them (a tile load
+  // right after the stores that wrote its bytes waits for them: that alone doubled a
+  // one-row call), into a ring of 4.
+  alignas(64) uint8_t bt[4][8 * 64];
+  __m512 acc[MC];
+  for (int m = 0; m < MC; ++m) acc[m] = _mm512_setzero_ps();
+  // Software-pipelined too: the float steps of blocks b - 2 and b - 1 run after blocks b and
+  // b + 1 went to the tile unit (their sums were stored the iteration before), so the
+  // products and the stores' way to the vector loads overlap the float work. Each block's
+  // float steps still run in block order: the same bits.
+  int64_t b = 0;
+  int cur = 0;  // sums2[cur] takes this iteration's pair, sums2[cur ^ 1] holds the last one's
+  alignas(64) int32_t sums2[2][2][16 * 16];
+  if (nb >= 2) {
+    unpack_pair(w0, w1, bt[0]);
+    unpack_pair(w0 + BLOCK_BYTES, w1 + BLOCK_BYTES, bt[1]);
+  }
+  for (; b + 1 < nb; b += 2, cur ^= 1) {
+    uint8_t* now0 = bt[b & 3];
+    uint8_t* now1 = bt[(b + 1) & 3];
+    if (b + 3 < nb) {  // the next pair's codes, for the next iteration
+      const uint8_t* wa0 = w0 + (b + 2) * BLOCK_BYTES;
+      const uint8_t* wa1 = w1 + (b + 2) * BLOCK_BYTES;
+      _mm_prefetch(reinterpret_cast<const char*>(wa0 + PREFETCH), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wa0 + PREFETCH + 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wa0 + PREFETCH + 128), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wa0 + PREFETCH + 192), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wa1 + PREFETCH), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wa1 + PREFETCH + 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wa1 + PREFETCH + 128), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wa1 + PREFETCH + 192), _MM_HINT_T0);
+      unpack_pair(wa0, wa1, bt[(b + 2) & 3]);
+      unpack_pair(wa0 + BLOCK_BYTES, wa1 + BLOCK_BYTES, bt[(b + 3) & 3]);
+    }
+    asm volatile("" ::: "memory");  // the unpacked codes are in memory before the tile loads
+    _tile_loadd(2, now0, 64);
+    _tile_loadd(5, now1, 64);
+    _tile_loadd(1, qa + b * QK, K);
+    _tile_loadd(4, qa + (b + 1) * QK, K);
+    _tile_zero(0);
+    _tile_zero(3);
+    _tile_dpbsud(0, 1, 2);
+    _tile_dpbsud(3, 4, 5);
+    _tile_stored(0, sums2[cur][0], 64);
+    _tile_stored(3, sums2[cur][1], 64);
+    if (b >= 2) {
+      const int64_t p = b - 2, ga = (p >> gshift) * 8, gc = ((p + 1) >> gshift) * 8;
+      amx_block_floats<MC>(sums2[cur ^ 1][0], scales_pair(dw0 + ga, dw1 + ga),
+                           scales_pair(mw0 + ga, mw1 + ga), ds, ss, nb, p, acc);
+      amx_block_floats<MC>(sums2[cur ^ 1][1], scales_pair(dw0 + gc, dw1 + gc),
+                           scales_pair(mw0 + gc, mw1 + gc), ds, ss, nb, p + 1, acc);
+    }
+  }
+  if (b >= 2) {  // the last pair's float steps
+    const int64_t p = b - 2, ga = (p >> gshift) * 8, gc = ((p + 1) >> gshift) * 8;
+    asm volatile("" ::: "memory");
+    amx_block_floats<MC>(sums2[cur ^ 1][0], scales_pair(dw0 + ga, dw1 + ga),
+                         scales_pair(mw0 + ga, mw1 + ga), ds, ss, nb, p, acc);
+    amx_block_floats<MC>(sums2[cur ^ 1][1], scales_pair(dw0 + gc, dw1 + gc),
+                         scales_pair(mw0 + gc, mw1 + gc), ds, ss, nb, p + 1, acc);
+  }
+  if (b < nb) {  // an odd count of blocks: the last alone
+    unpack_pair(w0 + b * BLOCK_BYTES, w1 + b * BLOCK_BYTES, bt[0]);
+    asm volatile("" ::: "memory");
+    _tile_loadd(2, bt[0], 64);
+    _tile_loadd(1, qa + b * QK, K);
+    _tile_zero(0);
+    _tile_dpbsud(0, 1, 2);
+    _tile_stored(0, sums2[0][0], 64);
+    const int64_t ga = (b >> gshift) * 8;
+    amx_block_floats<MC>(sums2[0][0], scales_pair(dw0 + ga, dw1 + ga), scales_pair(mw0 + ga, mw1 + ga),
+                         ds, ss, nb, b, acc);
+  }
+  for (int m = 0; m < MC; ++m) {
+    alignas(64) float out[2 * ROWS];
+    _mm512_store_ps(out, acc[m]);
+    for (int r = 0; r < 2 * ROWS && r < n_valid; ++r) y[m * N + n0 + r] = out[r];
+  }
+}
+
+// Every activation row against row groups g and g + 1 on AMX: passes of R rows (the
+// tiles' height; the last may hold fewer real ones, its tiles reading padding rows).
+SPECCHAT_AMX void pair_all_rows_amx(const uint8_t* W, const uint16_t* D, const uint16_t* MN,
+                                    int64_t g, int64_t nb, int gshift, const int8_t* QA,
+                                    const float* DS, const float* SS, int64_t M, int64_t K,
+                                    float* Y, int64_t N, int64_t R) {
+  const int64_t sg = nb >> gshift;
+  const uint8_t* w0 = W + g * nb * BLOCK_BYTES;
+  const uint8_t* w1 = w0 + nb * BLOCK_BYTES;
+  const uint16_t* d0 = D + g * sg * 8;
+  const uint16_t* m0 = MN + g * sg * 8;
+  const int64_t n0 = g * ROWS, nv = std::min<int64_t>(2 * ROWS, N - n0);
+  for (int64_t m = 0; m < M; m += R) {
+    auto rows = [&](auto mc, int64_t) {
+      group_pair_amx<decltype(mc)::value>(w0, w1, d0, d0 + sg * 8, m0, m0 + sg * 8, nb, gshift,
+                                          QA + m * K, DS + m * nb, SS + m * nb, K, Y + m * N, N,
+                                          n0, nv);
+    };
+    rest_pass<16>(std::min<int64_t>(R, M - m), 0, rows);
+  }
+}
+
+SPECCHAT_AMX void amx_release() { _tile_release(); }
+
+// Whether this process may use AMX tiles: Linux hands out the tile state only to a
+// process that asks for it (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); without
+// it the first tile instruction faults. Asked once; false where the CPU has no AMX-INT8 or
+// the kernel refuses.
+bool amx_permitted() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("amx-int8") || !__builtin_cpu_supports("amx-tile") ||
+        !__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bw") ||
+        !__builtin_cpu_supports("avx512vl"))
+      return false;
+    constexpr long kReqPerm = 0x1023, kGetPerm = 0x1022, kXtiledata = 18;
+    if (syscall(SYS_arch_prctl, kReqPerm, kXtiledata) != 0) return false;
+    unsigned long granted = 0;
+    if (syscall(SYS_arch_prctl, kGetPerm, &granted) != 0) return false;
+    return ((granted >> kXtiledata) & 1) != 0;
+  }();
+  return ok;
+}
+
+// Choose the path (0 AVX2, 1 AVX512-VNNI from min_rows activation rows up, 2 AMX from
+// amx_min_rows up and VNNI below by the same rules) for every later
 // call; returns the one before. A single row is bound by reading the weights, and there the
 // two streams of a row-group pair read slower than one (Zen 4: 43 against 38 ms for the
 // 1.5B's layers), so fewer rows than min_rows take the AVX2 code: the same bits either way.
@@ -275,24 +476,34 @@ SPECCHAT_VNNI void pair_all_rows(const uint8_t* W, const uint16_t* D, const uint
 // On one thread the AVX2 code keeps 2-3 rows (Zen 5: a 2-row block 1.18 against 1.48 steps,
 // 3 rows 1.45 against 1.61) and VNNI wins from 4 (5 rows: 1.65 against 2.40), hence
 // min_rows_one. Refuses VNNI on a CPU without it rather than fault on its first instruction.
-int64_t w4a8_set_path(int64_t path, int64_t min_rows, int64_t min_rows_one) {
-  TORCH_CHECK(path == 0 || path == 1, "w4a8 path: 0 (AVX2) or 1 (AVX512-VNNI)");
-  TORCH_CHECK(min_rows >= 1 && min_rows_one >= 1, "w4a8 path: min_rows must be at least 1");
-  g_vnni_min_rows.store(min_rows);
-  g_vnni_min_rows_one.store(min_rows_one);
-  if (path == 1) {
+int64_t w4a8_set_path(int64_t path, int64_t min_rows, int64_t min_rows_one, int64_t amx_min_rows) {
+  TORCH_CHECK(path >= 0 && path <= 2, "w4a8 path: 0 (AVX2), 1 (AVX512-VNNI) or 2 (AMX)");
+  TORCH_CHECK(min_rows >= 1 && min_rows_one >= 1 && amx_min_rows >= 1,
+              "w4a8 path: min_rows must be at least 1");
+  if (path >= 1) {
     __builtin_cpu_init();
     TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                     __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"),
                 "this CPU has no AVX512-VNNI (with AVX512 F, BW and VL)");
   }
+  TORCH_CHECK(path != 2 || amx_permitted(),
+              "AMX: this CPU has no AMX-INT8, or the operating system did not grant this "
+              "process the tile state");
+  g_vnni_min_rows.store(min_rows);
+  g_vnni_min_rows_one.store(min_rows_one);
+  g_amx_min_rows.store(amx_min_rows);
   return g_path.exchange(static_cast<int>(path));
 }
 
 // Whether a call of M activation rows on this thread's torch thread count takes the VNNI code.
 bool w4a8_takes_vnni(int64_t M) {
-  return g_path.load(std::memory_order_relaxed) == 1 &&
+  return g_path.load(std::memory_order_relaxed) >= 1 &&
          M >= (at::get_num_threads() == 1 ? g_vnni_min_rows_one : g_vnni_min_rows).load();
+}
+
+// Whether a call of M rows takes the AMX code (path 2, at least g_amx_min_rows rows).
+bool w4a8_takes_amx(int64_t M) {
+  return g_path.load(std::memory_order_relaxed) == 2 && M >= g_amx_min_rows.load();
 }
 
 // x [M, K] float32; packed [N/8, K/32, 128] uint8; scales, mins [N/8, K/G, 8] float16 -> [M, N],
@@ -316,7 +527,11 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   for (const at::Tensor* t : {&scales, &mins})
     TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->numel() == groups * sg * 8,
                 "scales and minimums must be contiguous float16 [N/8, K/G, 8]");
-  auto qa = at::empty({M, K}, x.options().dtype(at::kChar));
+  // AMX passes take R rows at a time, the last one's tile reading R: rows past M are zeros.
+  const bool amx = w4a8_takes_amx(M);
+  const int64_t R = std::min<int64_t>(M, 16), padded = amx ? (M + R - 1) / R * R : M;
+  auto qa = at::empty({padded, K}, x.options().dtype(at::kChar));
+  if (padded > M) std::memset(qa.data_ptr<int8_t>() + M * K, 0, (padded - M) * K);
   auto ds = at::empty({M, nb}, x.options());
   auto ss = at::empty({M, nb}, x.options());
   for (int64_t m = 0; m < M; ++m)
@@ -334,14 +549,20 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   // share each: on a machine where another process holds a core for a while, the thread
   // that keeps running does the rest instead of waiting at the end for the stalled one.
   // The VNNI path takes row groups in pairs, so its chunks hold an even number of them.
-  const bool vnni = w4a8_takes_vnni(M);
+  const bool vnni = amx || w4a8_takes_vnni(M);
   int64_t chunk = std::max<int64_t>(1, 32768 / (nb * BLOCK_BYTES));
   if (vnni) chunk += chunk % 2;
   const int64_t chunks = (groups + chunk - 1) / chunk;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(chunks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    if (amx) amx_configure(static_cast<int>(R));  // tile configuration is each thread's own
     for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1))
     for (int64_t g = c * chunk, g1 = std::min(groups, g + chunk); g < g1; ++g) {
+      if (amx && g + 1 < g1) {
+        pair_all_rows_amx(W, D, MN, g, nb, gshift, QA, DS, SS, M, K, Y, N, R);
+        ++g;
+        continue;
+      }
       if (vnni && g + 1 < g1) {
         pair_all_rows(W, D, MN, g, nb, gshift, QA, DS, SS, M, K, Y, N);
         ++g;
@@ -358,6 +579,7 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
       };
       row_passes<4>(M, rows);
     }
+    if (amx) amx_release();
   });
   return y;
 }
@@ -449,6 +671,9 @@ TORCH_LIBRARY(specchat, m) {
         &w4a8_linear);
   m.def("w4a8_pack(Tensor weight, int group=32, int shrinks=1) -> (Tensor, Tensor, Tensor)",
         &w4a8_pack);
-  m.def("w4a8_set_path(int path, int min_rows=2, int min_rows_one=4) -> int", &w4a8_set_path);
+  m.def("w4a8_set_path(int path, int min_rows=2, int min_rows_one=4, int amx_min_rows=4) -> int",
+        &w4a8_set_path);
   m.def("w4a8_takes_vnni(int rows) -> bool", &w4a8_takes_vnni);
+  m.def("w4a8_takes_amx(int rows) -> bool", &w4a8_takes_amx);
+  m.def("w4a8_amx_permitted() -> bool", &amx_permitted);
 }
