@@ -112,12 +112,12 @@ def w4a8_choice(requested: str = "auto", have: cpu.CpuFeatures | None = None) ->
 W4A8_VNNI_MIN_ROWS = 2
 W4A8_VNNI_MIN_ROWS_ONE_THREAD = 4
 # On the AMX path, calls of fewer rows than this take the VNNI code (same bits). A tile
-# product serves 16 rows at once, but each block's int32 sums must leave the tiles through
-# memory before their float steps, and that trip sets a floor: the 1.5B's 28 layers cost
-# 29.7 ms at one row on AMX against 23.5 on VNNI, break even at 8 rows (42.7 / 43.9) and
-# win from 9 (46.3 / 53.9; 16 rows 0.80x, a 44-row prompt 0.80x). Intel Xeon with AMX,
-# 2 threads (docs/performance.md, step 30).
-W4A8_AMX_MIN_ROWS = 9
+# product serves 16 rows at once, but each block's int32 sums leave the tiles through
+# memory before their float steps, and that trip sets a floor: a one-row step of the 1.5B
+# costs 61 against 59 ms, 3 rows tie (1.08 / 1.09 steps), and from 5 rows AMX wins
+# (verify 5: 1.18 / 1.22, 7: 1.28 / 1.42, 9: 1.40 / 1.68; a 44-row prompt 4.89 / 5.77).
+# Intel Xeon with AMX, 2 threads, scripts/step_cost.py (docs/performance.md, step 30).
+W4A8_AMX_MIN_ROWS = 4
 
 
 def w4a8_use(
