@@ -178,7 +178,7 @@ def w4a8_describe() -> str | None:
     rows = {
         "avx2": "",
         "avx512vnni": f" for blocks of {vnni}",
-        "amx": f" for blocks of {W4A8_AMX_MIN_ROWS}+ rows (AVX512-VNNI below, from {vnni})",
+        "amx": f" for blocks of {W4A8_AMX_MIN_ROWS}+ rows, AVX512-VNNI below from {vnni}",
     }[path]
     paths = "|".join(W4A8_PATHS)
     return f"w4a8 kernel: {W4A8_NAMES[path]} path{rows} ({_w4a8_path['why']}; {W4A8_ENV}={paths}|auto)"
