@@ -143,7 +143,7 @@ def _set_w4a8(
     amx_min_rows: int = W4A8_AMX_MIN_ROWS,
 ) -> str:
     path, why = w4a8_choice(requested)
-    if path == "amx" and not torch.ops.specchat.w4a8_amx_permitted():
+    if path == "amx" and not _amx_granted():
         # Linux hands AMX's tile state only to a process that asks; a kernel (or a VM)
         # that refuses leaves the VNNI code, which gives the same bits.
         refused = "the operating system did not grant this process AMX's tile state"
@@ -157,6 +157,11 @@ def _set_w4a8(
     )
     _w4a8_path.update(path=path, why=why)
     return path
+
+
+def _amx_granted() -> bool:
+    """Whether the loaded kernel may use AMX tiles here (it asks the OS once)."""
+    return bool(torch.ops.specchat.w4a8_amx_permitted())
 
 
 def w4a8_default() -> str:

@@ -426,6 +426,27 @@ def test_on_the_amx_path_short_blocks_keep_the_vnni_code(path_restored: object) 
 
 
 @needs_kernel
+@pytest.mark.skipif(VNNI_MISSING, reason=f"no AVX512-VNNI here ({cpu.features().summary()})")
+def test_where_the_os_refuses_amx_auto_takes_vnni_and_says_why(
+    path_restored: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CPU with AMX-INT8 whose OS (or VM) grants no tile state: auto runs the VNNI code and
+    the Ready line says why; asking for amx by name is refused with what to do."""
+    from specchat.engine.model.cpu import CpuFeatures
+
+    have = cpu.features()
+    spr = CpuFeatures(have.machine, have.flags | {"amx_tile", "amx_int8"}, "test")
+    monkeypatch.setattr(native.cpu, "features", lambda: spr)
+    monkeypatch.setattr(native, "_amx_granted", lambda: False)
+    assert native.w4a8_use("auto") == "avx512vnni"
+    assert "did not grant this process AMX's tile state" in str(native.w4a8_describe())
+    with pytest.raises(QuantizationError, match="tile state") as info:
+        native.w4a8_use("amx")
+    assert "avx512vnni" in info.value.hint
+    # (path_restored, set up first, puts this CPU's own choice back after monkeypatch's undo)
+
+
+@needs_kernel
 def test_a_bad_path_in_the_environment_is_refused_at_load() -> None:
     """$SPECCHAT_W4A8 naming no path fails the kernel's load with the message, in a fresh process."""
     import os

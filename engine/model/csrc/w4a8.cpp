@@ -52,6 +52,7 @@
 #include <tuple>
 #include <type_traits>
 #include <vector>
+#include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -454,9 +455,13 @@ SPECCHAT_AMX void amx_release() { _tile_release(); }
 bool amx_permitted() {
   static const bool ok = [] {
     __builtin_cpu_init();
-    if (!__builtin_cpu_supports("amx-int8") || !__builtin_cpu_supports("amx-tile") ||
-        !__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bw") ||
-        !__builtin_cpu_supports("avx512vl"))
+    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
+        !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512vnni"))
+      return false;
+    // AMX-TILE and AMX-INT8: CPUID leaf 7, EDX bits 24 and 25 (read directly: older
+    // compilers' __builtin_cpu_supports does not know their names).
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 25) & 1))
       return false;
     constexpr long kReqPerm = 0x1023, kGetPerm = 0x1022, kXtiledata = 18;
     if (syscall(SYS_arch_prctl, kReqPerm, kXtiledata) != 0) return false;
@@ -480,15 +485,17 @@ int64_t w4a8_set_path(int64_t path, int64_t min_rows, int64_t min_rows_one, int6
   TORCH_CHECK(path >= 0 && path <= 2, "w4a8 path: 0 (AVX2), 1 (AVX512-VNNI) or 2 (AMX)");
   TORCH_CHECK(min_rows >= 1 && min_rows_one >= 1 && amx_min_rows >= 1,
               "w4a8 path: min_rows must be at least 1");
-  if (path >= 1) {
+  // AMX first: amx_permitted also asks for AVX512-VNNI (the path's shorter calls take it),
+  // and a refusal of path 2 names AMX whatever the CPU lacks.
+  TORCH_CHECK(path != 2 || amx_permitted(),
+              "AMX: this CPU has no AMX-INT8 (with AVX512-VNNI), or the operating system did "
+              "not grant this process the tile state");
+  if (path == 1) {
     __builtin_cpu_init();
     TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                     __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"),
                 "this CPU has no AVX512-VNNI (with AVX512 F, BW and VL)");
   }
-  TORCH_CHECK(path != 2 || amx_permitted(),
-              "AMX: this CPU has no AMX-INT8, or the operating system did not grant this "
-              "process the tile state");
   g_vnni_min_rows.store(min_rows);
   g_vnni_min_rows_one.store(min_rows_one);
   g_amx_min_rows.store(amx_min_rows);
