@@ -204,6 +204,27 @@ SPECCHAT_VNNI inline __m512 scales_pair(const uint16_t* d0, const uint16_t* d1) 
   return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1));
 }
 
+// A block's float steps for one activation row and two row groups: its 16 int32 sums times
+// the weights' scales and the row's block scale d, plus the minimums times s (the scale
+// times the row's code sum). The VNNI and AMX paths both run exactly this, group_rows its
+// 8-lane twin: the same bits from each.
+SPECCHAT_VNNI inline __m512 block_floats(__m512i sum, __m512 dv, __m512 mv, float d, float s,
+                                         __m512 acc) {
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dv, _mm512_set1_ps(d)), acc);
+  return _mm512_fmadd_ps(mv, _mm512_set1_ps(s), acc);
+}
+
+// MC rows' 16 outputs from n0 into y (rows N apart), the first n_valid of them.
+template <int MC>
+SPECCHAT_VNNI inline void store_pair_rows(const __m512* acc, float* y, int64_t N, int64_t n0,
+                                          int64_t n_valid) {
+  for (int m = 0; m < MC; ++m) {
+    alignas(64) float out[2 * ROWS];
+    _mm512_store_ps(out, acc[m]);
+    for (int r = 0; r < 2 * ROWS && r < n_valid; ++r) y[m * N + n0 + r] = out[r];
+  }
+}
+
 // MC activation rows against two groups of 8 weight rows (16 outputs), AVX512-VNNI.
 // The same blocks, integer sums and float steps as group_rows, lane for lane.
 template <int MC, int CH = (MC <= 2 ? 4 : MC <= 4 ? 2 : 1)>
@@ -245,16 +266,10 @@ SPECCHAT_VNNI void group_pair_vnni(const uint8_t* w0, const uint8_t* w1, const u
     for (int m = 0; m < MC; ++m) {
       __m512i sum = s[m][0];
       for (int c = 1; c < CH; ++c) sum = _mm512_add_epi32(sum, s[m][c]);
-      const __m512 f = _mm512_cvtepi32_ps(sum);
-      acc[m] = _mm512_fmadd_ps(f, _mm512_mul_ps(dv, _mm512_set1_ps(ds[m * nb + b])), acc[m]);
-      acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(ss[m * nb + b]), acc[m]);
+      acc[m] = block_floats(sum, dv, mv, ds[m * nb + b], ss[m * nb + b], acc[m]);
     }
   }
-  for (int m = 0; m < MC; ++m) {
-    alignas(64) float out[2 * ROWS];
-    _mm512_store_ps(out, acc[m]);
-    for (int r = 0; r < 2 * ROWS && r < n_valid; ++r) y[m * N + n0 + r] = out[r];
-  }
+  store_pair_rows<MC>(acc, y, N, n0, n_valid);
 }
 
 // Every activation row against row groups g and g + 1, up to 8 rows a pass over them.
@@ -329,11 +344,9 @@ SPECCHAT_AMX inline void unpack_pair(const uint8_t* wb0, const uint8_t* wb1, uin
 template <int MC>
 SPECCHAT_AMX inline void amx_block_floats(const int32_t* sums, __m512 dv, __m512 mv, const float* ds,
                                           const float* ss, int64_t nb, int64_t b, __m512* acc) {
-  for (int m = 0; m < MC; ++m) {
-    const __m512 f = _mm512_cvtepi32_ps(_mm512_load_si512(sums + 16 * m));
-    acc[m] = _mm512_fmadd_ps(f, _mm512_mul_ps(dv, _mm512_set1_ps(ds[m * nb + b])), acc[m]);
-    acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(ss[m * nb + b]), acc[m]);
-  }
+  for (int m = 0; m < MC; ++m)
+    acc[m] = block_floats(_mm512_load_si512(sums + 16 * m), dv, mv, ds[m * nb + b], ss[m * nb + b],
+                          acc[m]);
 }
 
 // MC activation rows (tiles configured for R >= MC; qa holds R rows from here, the
@@ -417,11 +430,7 @@ SPECCHAT_AMX void group_pair_amx(const uint8_t* w0, const uint8_t* w1, const uin
     amx_block_floats<MC>(sums2[0][0], scales_pair(dw0 + ga, dw1 + ga), scales_pair(mw0 + ga, mw1 + ga),
                          ds, ss, nb, b, acc);
   }
-  for (int m = 0; m < MC; ++m) {
-    alignas(64) float out[2 * ROWS];
-    _mm512_store_ps(out, acc[m]);
-    for (int r = 0; r < 2 * ROWS && r < n_valid; ++r) y[m * N + n0 + r] = out[r];
-  }
+  store_pair_rows<MC>(acc, y, N, n0, n_valid);
 }
 
 // Every activation row against row groups g and g + 1 on AMX: passes of R rows (the
