@@ -717,7 +717,12 @@ class ChatSession:
         copy = False
         if turn.composed is not None:
             drafter = turn.composed.model
-            if turn.copier is not None and turn.copier.mode is Mode.SPEC and turn.composed.copies(seq):
+            if (
+                turn.copier is not None
+                and turn.copier.mode is Mode.SPEC
+                and turn.composed.copies(seq)
+                and self._copy_pays_more(turn)
+            ):
                 ctl, drafter, copy = turn.copier, turn.composed, True
             else:  # a round the model could draft: it would read the copies' tokens first
                 ctl.observe_copies(turn.copied)
@@ -781,6 +786,16 @@ class ChatSession:
             else:
                 turn.model_drafted = True
         return res, round_mode, reason
+
+    @staticmethod
+    def _copy_pays_more(turn: Turn) -> bool:
+        """Whether a composed round takes the copy the lookup found: where the copies' controller
+        expects at least the draft model's round's speedup, or the model is off. (Against plain
+        alone, copies that accept 0.2 displaced model rounds that accept 0.7 on chat prompts.)"""
+        model = turn.controller
+        if model.mode is not Mode.SPEC or turn.copier is None:
+            return True
+        return turn.copier.best()[1] >= model.best()[1]
 
     # Rounds between two changes of way (ahead or serial), so each is measured before the
     # next choice; the first lets the draft read the prompt beside the first steps.

@@ -27,8 +27,16 @@ def drafters(events: list[object]) -> set[str | None]:
     return {e.drafter for e in events if isinstance(e, RoundEvent) and e.k}
 
 
+@pytest.fixture
+def copies_when_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every copy the lookup finds is taken (where the copies' controller lets it), whatever
+    the model's round would bring: the tiny draft model agrees with its target so often that
+    the choice between them (tested on its own below) would leave these tests no copies."""
+    monkeypatch.setattr(ChatSession, "_copy_pays_more", staticmethod(lambda turn: True))
+
+
 def test_spec_drafts_by_lookup_where_it_matches_and_by_the_model_elsewhere(
-    target: torch.nn.Module,
+    target: torch.nn.Module, copies_when_found: None
 ) -> None:
     cfg = DecodeConfig(mode=Mode.SPEC, k=3, max_new_tokens=48)
     composed = run(target, cfg)
@@ -40,7 +48,9 @@ def test_spec_drafts_by_lookup_where_it_matches_and_by_the_model_elsewhere(
     assert ids[0] == ids[1] == ids[2]  # greedy: whoever drafts, the target's tokens
 
 
-def test_the_draft_model_catches_up_on_what_lookup_drafted(target: torch.nn.Module) -> None:
+def test_the_draft_model_catches_up_on_what_lookup_drafted(
+    target: torch.nn.Module, copies_when_found: None
+) -> None:
     """A model-drafted round's p_draft (of the accepted or the corrected token) is what the
     draft model gives after the whole prefix, lookup rounds included (a draft left behind
     would score another prefix)."""
@@ -68,6 +78,33 @@ def test_the_draft_model_catches_up_on_what_lookup_drafted(target: torch.nn.Modu
     assert checked >= 10
 
 
+def test_a_copy_is_taken_only_where_it_is_expected_to_pay_more_than_the_models_round(
+    target: torch.nn.Module,
+) -> None:
+    """The composed round compares the two controllers' best expected speedups: a copy whose
+    acceptance is low gives way to a draft model that agrees with its target; the same copy
+    is taken once the model's controller has fallen back to plain."""
+    from types import SimpleNamespace
+
+    from specchat.engine.decode.controller import Controller
+    from specchat.engine.decode.costs import Costs
+
+    cfg = DecodeConfig(mode=Mode.SPEC)
+
+    def costs(draft_ms: float) -> Costs:  # c = draft_ms / 50; verify 1.05 steps at K=1, 1.2 at 4
+        return Costs(draft_step_ms=draft_ms, target_step_ms=50.0, verify_at={1: 1.05, 4: 1.2})
+
+    model = Controller(cfg, costs(20.0), alpha0=0.8)  # c 0.4, α 0.8: ~1.2x
+    copier = Controller(cfg, costs(0.0), alpha0=0.2)  # free drafts, α 0.2: ~1.1x
+    turn = SimpleNamespace(controller=model, copier=copier)
+    assert 1.0 < copier.best()[1] < model.best()[1]
+    assert not ChatSession._copy_pays_more(turn)  # type: ignore[arg-type]
+    sure = SimpleNamespace(controller=model, copier=Controller(cfg, costs(0.0), alpha0=0.9))
+    assert ChatSession._copy_pays_more(sure)  # type: ignore[arg-type]
+    model.mode = Mode.PLAIN
+    assert ChatSession._copy_pays_more(turn)  # type: ignore[arg-type]
+
+
 def test_the_bench_runs_spec_alone_as_the_draft_model_without_lookup() -> None:
     from specchat.engine.config import SPEC_ALONE
     from specchat.engine.tools.bench_runs import SESSION_ARMS, arm_config
@@ -79,7 +116,7 @@ def test_the_bench_runs_spec_alone_as_the_draft_model_without_lookup() -> None:
 
 
 def test_the_models_rounds_are_told_what_the_copies_cost_it(
-    target: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+    target: torch.nn.Module, monkeypatch: pytest.MonkeyPatch, copies_when_found: None
 ) -> None:
     """Every token a copy emitted reaches the model's controller before the model's next
     chance to draft (observe_copies), and each catch-up pass after the prompt's prices a
