@@ -53,8 +53,10 @@
 #include <type_traits>
 #include <vector>
 #include <cpuid.h>
+#if defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
 
 namespace {
 
@@ -472,11 +474,15 @@ bool amx_permitted() {
     unsigned a = 0, b = 0, c = 0, d = 0;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 25) & 1))
       return false;
+#if defined(__linux__)
     constexpr long kReqPerm = 0x1023, kGetPerm = 0x1022, kXtiledata = 18;
     if (syscall(SYS_arch_prctl, kReqPerm, kXtiledata) != 0) return false;
     unsigned long granted = 0;
     if (syscall(SYS_arch_prctl, kGetPerm, &granted) != 0) return false;
     return ((granted >> kXtiledata) & 1) != 0;
+#else
+    return false;  // the tile-state request is Linux's; elsewhere the VNNI code runs
+#endif
   }();
   return ok;
 }
