@@ -94,10 +94,13 @@ def test_a_copy_is_taken_only_where_it_is_expected_to_pay_more_than_the_models_r
     def costs(draft_ms: float) -> Costs:  # c = draft_ms / 50; verify 1.05 steps at K=1, 1.2 at 4
         return Costs(draft_step_ms=draft_ms, target_step_ms=50.0, verify_at={1: 1.05, 4: 1.2})
 
-    model = Controller(cfg, costs(20.0), alpha0=0.8)  # c 0.4, α 0.8: ~1.2x
-    copier = Controller(cfg, costs(0.0), alpha0=0.2)  # free drafts, α 0.2: ~1.1x
+    model = Controller(cfg, costs(20.0), alpha0=0.8)  # c 0.4, α 0.8
+    copier = Controller(cfg, costs(0.0), alpha0=0.2)  # free drafts, α 0.2
     turn = SimpleNamespace(controller=model, copier=copier)
-    assert 1.0 < copier.best()[1] < model.best()[1]
+    # The premise, by Leviathan et al.'s E(K) / (K·c + v(K)): both pay against plain, the
+    # model more. K=2: (1 + .8 + .64) / (0.8 + 1.1) = 1.284; K=1: 1.2 / 1.05 = 1.143.
+    assert model.best() == (2, pytest.approx(2.44 / 1.9))
+    assert copier.best() == (1, pytest.approx(1.2 / 1.05))
     assert not ChatSession._copy_pays_more(turn)  # type: ignore[arg-type]
     sure = SimpleNamespace(controller=model, copier=Controller(cfg, costs(0.0), alpha0=0.9))
     assert ChatSession._copy_pays_more(sure)  # type: ignore[arg-type]
