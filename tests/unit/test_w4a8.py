@@ -483,3 +483,51 @@ def test_a_bench_config_without_a_path_takes_the_environments(
     monkeypatch.setenv(native.W4A8_ENV, "avx2")
     use_w4a8_path(auto)
     assert native.w4a8_path() == "avx2"
+
+
+def _fork_child_call(conn: object, x: torch.Tensor, packed: tuple[torch.Tensor, ...], n: int) -> None:
+    # Plain lists back: sending a tensor copies it through an OpenMP region, and GNU OpenMP
+    # hangs in a child forked from a parent that ran one (libgomp's own limit, not this one).
+    torch.set_num_threads(2)
+    conn.send(torch.ops.specchat.w4a8_linear(x, *packed, n).tolist())  # type: ignore[attr-defined]
+
+
+@needs_kernel
+def test_the_kernels_helper_threads_change_no_bit_and_survive_concurrency_and_fork(
+    path_restored: object,
+) -> None:
+    """The kernel splits a call over helper threads of its own (csrc/w4a8.cpp, Helpers): an
+    output's value must not depend on how many took part, on a second caller arriving while
+    the helpers are busy (it computes alone), or on a forked child (which has no helpers and
+    must start its own rather than wait for threads that are not there)."""
+    import concurrent.futures
+    import multiprocessing
+
+    gen = torch.Generator().manual_seed(5)
+    n, k = 4864, 896  # the 0.5B's gate/up half: ~150 chunks, so every helper claims some
+    weight = torch.randn(n, k, generator=gen) * 0.05
+    packed = qlinear.pack_w4a8(weight, 128)
+    xs = [torch.randn(m, k, generator=gen) for m in (1, 2, 5, 17)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [torch.ops.specchat.w4a8_linear(x, *packed, n) for x in xs]
+        for threads in (2, 5):  # 5 on any machine: more helpers than cores
+            torch.set_num_threads(threads)
+            for x, want in zip(xs, alone, strict=True):
+                for _ in range(3):
+                    assert torch.equal(torch.ops.specchat.w4a8_linear(x, *packed, n), want)
+        torch.set_num_threads(2)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda i: torch.ops.specchat.w4a8_linear(xs[i % 4], *packed, n), range(64)))
+        for i, y in enumerate(got):
+            assert torch.equal(y, alone[i % 4]), f"call {i}, made beside three other callers"
+        ctx = multiprocessing.get_context("fork")
+        here, there = ctx.Pipe()
+        child = ctx.Process(target=_fork_child_call, args=(there, xs[2], packed, n))
+        child.start()
+        assert here.poll(60), "a forked child's call did not finish (waiting for its parent's helpers?)"
+        assert torch.equal(torch.tensor(here.recv()), alone[2])
+        child.join(10)
+    finally:
+        torch.set_num_threads(before)

@@ -46,6 +46,13 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <chrono>
+#include <functional>
+#include <thread>
+#include <pthread.h>
 #include <cstdint>
 #include <cmath>
 #include <cstring>
@@ -528,6 +535,111 @@ bool w4a8_takes_amx(int64_t M) {
   return g_path.load(std::memory_order_relaxed) == 2 && M >= g_amx_min_rows.load();
 }
 
+// work(next) on this thread and on up to `helpers` more, each claiming chunks from the
+// shared counter `next` until none is left. Which thread computes an output never changes
+// its value.
+//
+// Why not at::parallel_for: an OpenMP region wakes its sleeping workers (OMP_WAIT_POLICY=
+// PASSIVE) and its closing barrier waits for every one of them. On a 2-core VM a wake is
+// 40-60 us, and a one-token step makes ~100 of these calls: the 0.5B draft's 896-wide
+// projections took 80-94 us on two threads against 36-39 on one. Spinning OpenMP workers
+// (GOMP_SPINCOUNT) remove the wake but hold their core: with another process busy on
+// one core, steps ran 2-3x slower than passive ones. So the helpers here spin a short
+// while after each call, yielding their core to anything runnable, then sleep; and this
+// thread never waits for a helper that has not started: it waits only for those that
+// joined before it ran out of chunks (one chunk each at most).
+class Helpers {
+ public:
+  // Never destroyed: its threads outlive main. A child made by fork() has none of them
+  // (and maybe a lock one held), so it starts a pool of its own.
+  static Helpers& get() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+      g_pool = new Helpers();
+      pthread_atfork(nullptr, nullptr, [] { g_pool = new Helpers(); });
+    });
+    return *g_pool;
+  }
+
+  template <class F>
+  void run(int64_t helpers, const F& work) {
+    bool idle = false;
+    if (helpers <= 0 || !busy_.compare_exchange_strong(idle, true)) {  // a second caller:
+      std::atomic<int64_t> next{0};                                     // on its own thread
+      work(next);
+      return;
+    }
+    grow(helpers);
+    const std::function<void(std::atomic<int64_t>&)> body = [&work](std::atomic<int64_t>& n) { work(n); };
+    body_ = &body;
+    next_.store(0);
+    open_.store(true);
+    posted_.fetch_add(1);
+    if (sleepers_.load() > 0) {
+      std::lock_guard<std::mutex> lock(mu_);
+      wake_.notify_all();
+    }
+    work(next_);
+    open_.store(false);  // no helper joins after this; wait for those that did
+    for (int spins = 0; active_.load() != 0; ++spins) {
+      if (spins < 2000) _mm_pause();
+      else std::this_thread::yield();
+    }
+    busy_.store(false);
+  }
+
+ private:
+  void grow(int64_t helpers) {
+    while (static_cast<int64_t>(threads_) < std::min<int64_t>(helpers, 255)) {
+      std::thread([this] { loop(); }).detach();
+      ++threads_;
+    }
+  }
+
+  void loop() {
+    uint64_t seen = posted_.load();
+    for (;;) {
+      // Spin ~0.2 ms for the next call (a step's calls come tens of us apart), then sleep.
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
+      for (int i = 0; posted_.load() == seen; ++i) {
+        if ((i & 63) == 63) {
+          std::this_thread::yield();
+          if (std::chrono::steady_clock::now() > until) break;
+        }
+        _mm_pause();
+      }
+      if (posted_.load() == seen) {
+        std::unique_lock<std::mutex> lock(mu_);
+        ++sleepers_;
+        wake_.wait(lock, [&] { return posted_.load() != seen; });
+        --sleepers_;
+      }
+      seen = posted_.load();
+      active_.fetch_add(1);
+      if (open_.load()) (*body_)(next_);
+      active_.fetch_sub(1);
+    }
+  }
+
+  std::atomic<bool> busy_{false}, open_{false};
+  std::atomic<uint64_t> posted_{0};
+  std::atomic<int> active_{0}, sleepers_{0};
+  std::atomic<int64_t> next_{0};
+  const std::function<void(std::atomic<int64_t>&)>* body_ = nullptr;
+  std::mutex mu_;
+  std::condition_variable wake_;
+  unsigned threads_ = 0;
+  static Helpers* g_pool;
+};
+Helpers* Helpers::g_pool = nullptr;
+
+template <class F>
+void share(int64_t helpers, const F& work) {
+  if (at::in_parallel_region()) helpers = 0;
+  Helpers::get().run(helpers, work);
+}
+
+
 // x [M, K] float32; packed [N/8, K/32, 128] uint8; scales, mins [N/8, K/G, 8] float16 -> [M, N],
 // G = 32 * 2^s the weight group (read from the scales' shape)
 at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
@@ -575,8 +687,7 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   int64_t chunk = std::max<int64_t>(1, 32768 / (nb * BLOCK_BYTES));
   if (vnni) chunk += chunk % 2;
   const int64_t chunks = (groups + chunk - 1) / chunk;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(chunks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+  share(std::min<int64_t>(chunks, at::get_num_threads()) - 1, [&](std::atomic<int64_t>& next) {
     if (amx) amx_configure(static_cast<int>(R));  // tile configuration is each thread's own
     for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1))
     for (int64_t g = c * chunk, g1 = std::min(groups, g + chunk); g < g1; ++g) {
