@@ -54,6 +54,7 @@
 #include <thread>
 #include <pthread.h>
 #include <cstdint>
+#include <cstdlib>
 #include <cmath>
 #include <cstring>
 #include <tuple>
@@ -548,6 +549,15 @@ bool w4a8_takes_amx(int64_t M) {
 // while after each call, yielding their core to anything runnable, then sleep; and this
 // thread never waits for a helper that has not started: it waits only for those that
 // joined before it ran out of chunks (one chunk each at most).
+// How long a helper spins after a call before it sleeps: SPECCHAT_W4A8_SPIN_US, else 200.
+// In the chat on a 2-core Xeon, 200 us against 50: the app 18.2 against 16.7 tok/s, headless
+// 18.8 against 16.3 (docs/performance.md, step 31). Shorter spins leave the chat's UI thread
+// idle time to run in, but a draft step waits on more wakes.
+int64_t spin_us() {
+  const char* env = std::getenv("SPECCHAT_W4A8_SPIN_US");
+  return env ? std::max<int64_t>(0, std::atoll(env)) : 200;
+}
+
 class Helpers {
  public:
   // Never destroyed: its threads outlive main. A child made by fork() has none of them
@@ -599,8 +609,8 @@ class Helpers {
   void loop() {
     uint64_t seen = posted_.load();
     for (;;) {
-      // Spin ~0.2 ms for the next call (a step's calls come tens of us apart), then sleep.
-      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
+      // Spin a while for the next call (a step's calls come tens of us apart), then sleep.
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
       for (int i = 0; posted_.load() == seen; ++i) {
         if ((i & 63) == 63) {
           std::this_thread::yield();
@@ -629,6 +639,7 @@ class Helpers {
   std::mutex mu_;
   std::condition_variable wake_;
   unsigned threads_ = 0;
+  const int64_t spin_us_ = spin_us();
   static Helpers* g_pool;
 };
 Helpers* Helpers::g_pool = nullptr;
