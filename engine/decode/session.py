@@ -791,9 +791,11 @@ class ChatSession:
     def _copy_pays_more(turn: Turn) -> bool:
         """Whether a composed round takes the copy the lookup found: where the copies' controller
         expects at least the draft model's round's speedup, or the model is off. (Against plain
-        alone, copies that accept 0.2 displaced model rounds that accept 0.7 on chat prompts.)"""
+        alone, copies that accept 0.2 displaced model rounds that accept 0.7 on chat prompts.)
+        With K fixed, every copy is taken: the expectations rest on measured times, and a
+        seed with a fixed K must give the same reply on every run."""
         model = turn.controller
-        if model.mode is not Mode.SPEC or turn.copier is None:
+        if model.mode is not Mode.SPEC or turn.copier is None or not model.adaptive:
             return True
         return turn.copier.best()[1] >= model.best()[1]
 

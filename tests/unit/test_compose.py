@@ -108,6 +108,26 @@ def test_a_copy_is_taken_only_where_it_is_expected_to_pay_more_than_the_models_r
     assert ChatSession._copy_pays_more(turn)  # type: ignore[arg-type]
 
 
+def test_a_seed_and_a_fixed_k_give_the_same_composed_reply_whatever_the_costs(
+    target: torch.nn.Module,
+) -> None:
+    """Sampled, with K fixed, a composed round takes every copy it finds: which drafter
+    proposes (and so how the seed's draws are spent) never rests on measured times. Two
+    sessions whose draft costs 0.01 and 0.99 of a target step agree round for round."""
+    from specchat.engine.decode.costs import Costs
+
+    cfg = DecodeConfig(mode=Mode.SPEC, k=3, max_new_tokens=40, temperature=0.8, seed=11)
+    got = []
+    for draft_ms in (1.0, 99.0):
+        s = pair_session(target)
+        s.costs = Costs(100.0, draft_ms, 0.05, {1: 1.05, 3: 1.1})
+        events = list(s.stream(REPEATING, cfg))
+        rounds = [(e.drafter, e.k, e.accepted) for e in events if isinstance(e, RoundEvent)]
+        got.append((rounds, [e.token_id for e in events if isinstance(e, TokenEvent)]))
+    assert "lookup" in {d for d, _, _ in got[0][0]}, "no copy was found: the test proves nothing"
+    assert got[0] == got[1]
+
+
 def test_the_bench_runs_spec_alone_as_the_draft_model_without_lookup() -> None:
     from specchat.engine.config import SPEC_ALONE
     from specchat.engine.tools.bench_runs import SESSION_ARMS, arm_config
