@@ -39,7 +39,7 @@ SHORTLISTS = (8192, 16384, 32768, 65536)
 def record(args: argparse.Namespace) -> None:
     from specchat.engine.decode.session import ChatSession
     from specchat.engine.events import TurnStarted
-    from specchat.engine.model.draft_head import shortlist_ids
+    from specchat.engine.model.draft_head import shortlist_ids, token_ranking
     from specchat.engine.model.runner import ModelRunner
 
     q = QuantMode(args.quant)
@@ -59,6 +59,7 @@ def record(args: argparse.Namespace) -> None:
             times.append((time.perf_counter() - t) * 1e3)
         feed_ms[n] = statistics.median(times)
     tok = session.tokenizer
+    ranking = token_ranking(tok, int(session.draft.model.config.vocab_size))
     specials = [int(i) for i in getattr(tok, "all_special_ids", [])]
     specials += [int(i) for i in getattr(tok, "added_tokens_decoder", {})]
     prompts = []
@@ -77,11 +78,11 @@ def record(args: argparse.Namespace) -> None:
         # what a tree with siblings at each depth would cover.
         scored = logits.gather(1, want[:, None])
         rank = (logits > scored).sum(-1).clamp(max=RANK_CAP).tolist()
-        # Whether a shortlist head (the first N ids + specials) would still guess it.
+        # Whether a shortlist head (the N most frequent ids + specials) would still guess it.
         vocab = logits.shape[-1]
         short = {}
         for n in SHORTLISTS:
-            keep = shortlist_ids(vocab, n, specials)
+            keep = shortlist_ids(vocab, n, specials, ranking)
             masked = torch.full_like(logits, float("-inf"))
             masked[:, keep] = logits[:, keep]
             short[str(n)] = (masked.argmax(-1) == want).int().tolist()

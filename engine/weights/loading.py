@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -263,6 +265,29 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def _shortlist(
+    spec: ModelSpec, tokenizer: Any, config: Any, cache_dir: Path | None, report: Progress, role: str
+) -> Tensor | None:
+    """The ids a shortlist head scores (spec.head_shortlist of them by frequency, plus the
+    special and added tokens), or None for the whole head."""
+    if not spec.head_shortlist:
+        return None
+    from ..model.draft_head import shortlist_ids, token_ranking
+
+    vocab = int(config.vocab_size)
+    detail = f"{role}: ranking the vocabulary by the Python library's sources (once, ~5 s)"
+    ranking = token_ranking(tokenizer, vocab, cache_dir, lambda: report(LoadProgress("load", 0, 1, detail=detail)))
+    special = [int(i) for i in getattr(tokenizer, "all_special_ids", [])]
+    special += [int(i) for i in getattr(tokenizer, "added_tokens_decoder", {})]
+    ids = shortlist_ids(vocab, spec.head_shortlist, special, ranking)
+    report(LoadProgress("load", 0, 1, detail=f"{role}: head scores {ids.numel()} tokens, the most frequent"))
+    return ids
+
+
+def _digest(ids: Tensor) -> str:
+    return hashlib.sha256(ids.to(torch.int64).numpy().tobytes()).hexdigest()[:12]
+
+
 def load_model(
     spec: ModelSpec,
     role: str,
@@ -306,10 +331,8 @@ def load_model(
     # Post-load CPU modes read a folder piece by piece, quantizing as they go (stream.py):
     # the float weights of one layer at a time, not of the whole model.
     not_streamed = unstreamable(resolved.pretrained, resolved.gguf_file, config, mode, device)
-    if spec.head_shortlist:
-        not_streamed = "the shortlist head is cut from the float head"
-    if mode not in POST_LOAD or spec.head_shortlist:
-        entry = None  # quantized inside from_pretrained, or cut after: nothing to keep
+    if mode not in POST_LOAD:
+        entry = None  # quantized inside from_pretrained: nothing to keep
     _check_memory(config, mode, dtype, device, label, streamed=not_streamed is None)
     report(LoadProgress("load", 0, 1, detail=f"{role}: {resolved.name}"))
     # transformers' own progress bars would write over a terminal UI.
@@ -318,9 +341,12 @@ def load_model(
     hf_logging.disable_progress_bar()
     t0 = time.perf_counter()
     params = None
-    kept = packed.load(entry, mode, dtype) if entry is not None else None
+    kept = None
     try:
         tokenizer = AutoTokenizer.from_pretrained(meta_source, gguf_file=meta_gguf)
+        shortlist = _shortlist(spec, tokenizer, config, cache_dir, report, role)
+        variant = f"v{shortlist.numel()}-{_digest(shortlist)}" if shortlist is not None else ""
+        kept = packed.load(entry, mode, dtype, variant) if entry is not None else None
         if kept is not None:
             model, params = kept
             detail = f"{role}: {mode} {resolved.name}, packed weights from the cache"
@@ -329,7 +355,7 @@ def load_model(
             try:
                 model, params = load_streamed(
                     Path(resolved.pretrained), config, mode, dtype,
-                    _pieces(report, role, mode, resolved.name), resolved.gguf_file,
+                    _pieces(report, role, mode, resolved.name), resolved.gguf_file, shortlist,
                 )  # fmt: skip
             except KeyError as exc:  # names this reader does not know: transformers' loader
                 report(LoadProgress("load", 0, 1, detail=f"{role}: {exc.args[0]}; loading whole"))
@@ -350,14 +376,11 @@ def load_model(
         ) from exc
     if "device_map" not in kwargs:
         model.to(device)  # type: ignore[arg-type]  # in place for nn.Module
-    if spec.head_shortlist:
+    streamed = params is not None  # streamed or from the packed cache: quantized already
+    if shortlist is not None and not streamed:  # streamed, the head was cut before packing
         from ..model.draft_head import apply_shortlist
 
-        special = [int(i) for i in getattr(tokenizer, "all_special_ids", [])]
-        special += [int(i) for i in getattr(tokenizer, "added_tokens_decoder", {})]
-        scored = apply_shortlist(model, spec.head_shortlist, special)
-        report(LoadProgress("load", 1, 1, detail=f"{role}: head scores {scored} tokens"))
-    streamed = params is not None  # streamed or from the packed cache: quantized already
+        apply_shortlist(model, shortlist)
     if params is None:
         params = sum(p.numel() for p in model.parameters())  # before packing hides them
     if quant is not None and not streamed:
@@ -371,7 +394,9 @@ def load_model(
     model.eval()
     model.requires_grad_(False)
     if entry is not None and kept is None:
-        why = packed.save(entry, model, tokenizer, mode, dtype, params, spec.source, time.perf_counter() - t0)
+        why = packed.save(
+            entry, model, tokenizer, mode, dtype, params, spec.source, time.perf_counter() - t0, variant
+        )
         done = "kept in the cache for the next start" if why is None else f"not kept ({why})"
         report(LoadProgress("cache", 1, 1, detail=f"{role}: packed weights {done}"))
     _build_decoder(config, device, report)

@@ -77,8 +77,11 @@ class Entry:
     folder: Path
     weights_sha256: str
 
-    def model_file(self, mode: QuantMode, dtype: torch.dtype) -> Path:
-        return self.folder / f"{mode.value}-{str(dtype).removeprefix('torch.')}.pt"
+    def model_file(self, mode: QuantMode, dtype: torch.dtype, variant: str = "") -> Path:
+        """The packed model's file; `variant` tells apart models cut differently from the
+        same weights (a draft's shortlist head: `v<ids>-<their hash>`)."""
+        tail = f"-{variant}" if variant else ""
+        return self.folder / f"{mode.value}-{str(dtype).removeprefix('torch.')}{tail}.pt"
 
     @property
     def has_metadata(self) -> bool:
@@ -97,10 +100,10 @@ def entry(weights_sha256: str | None, cache_dir: Path | str | None = None) -> En
     return Entry(paths.packed_dir(cache_dir) / f"{weights_sha256[:20]}-{code_key()}", weights_sha256)
 
 
-def load(where: Entry, mode: QuantMode, dtype: torch.dtype) -> tuple[Any, int] | None:
+def load(where: Entry, mode: QuantMode, dtype: torch.dtype, variant: str = "") -> tuple[Any, int] | None:
     """The packed model saved for `mode` and `dtype` and its parameter count before
     packing, or None (absent or unreadable)."""
-    path = where.model_file(mode, dtype)
+    path = where.model_file(mode, dtype, variant)
     if not path.is_file():
         return None
     try:
@@ -125,9 +128,10 @@ def save(
     params: int,
     source: str,
     seconds: float,
+    variant: str = "",
 ) -> str | None:
     """Keep `model` packed for the next start; None when saved, else why not (never raises)."""
-    path = where.model_file(mode, dtype)
+    path = where.model_file(mode, dtype, variant)
     tmp: Path | None = None
     try:
         where.folder.mkdir(parents=True, exist_ok=True)

@@ -116,10 +116,12 @@ def load_streamed(
     dtype: torch.dtype,
     progress: Progress | None = None,
     gguf_file: str | None = None,
+    shortlist: torch.Tensor | None = None,
 ) -> tuple[PreTrainedModel, int]:
     """The model in `folder` (or its `gguf_file`), quantized with `mode` piece by piece (see
-    the module docstring), and its parameter count before packing. Raises KeyError for a
-    tensor it cannot find."""
+    the module docstring), and its parameter count before packing; with `shortlist`, its
+    head scores only those ids (model/draft_head.py), cut before it is packed. Raises
+    KeyError for a tensor it cannot find."""
     with torch.device("meta"):
         model: Any = AutoModelForCausalLM.from_config(config)
     checkpoint: Any
@@ -151,6 +153,10 @@ def load_streamed(
         model.lm_head.weight = inner.embed_tokens.weight
     else:
         _fill(model.lm_head, "lm_head", checkpoint, dtype)
+    if shortlist is not None:
+        from ..model.draft_head import apply_shortlist
+
+        apply_shortlist(model, shortlist)
     quant.apply(model, mode)  # what is left as nn.Linear: the LM head, as from_pretrained's
     if progress is not None:
         progress(len(pieces) + 1, len(pieces) + 1)

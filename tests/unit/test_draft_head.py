@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -11,9 +13,15 @@ from specchat.engine.config import DecodeConfig, Mode
 from specchat.engine.decode.session import ChatSession
 from specchat.engine.decode.speculative import accept_or_resample
 from specchat.engine.events import TokenEvent
-from specchat.engine.model.draft_head import ShortlistHead, apply_shortlist, shortlist_ids
+from specchat.engine.model import draft_head
+from specchat.engine.model.draft_head import (
+    ShortlistHead,
+    apply_shortlist,
+    shortlist_ids,
+    token_ranking,
+)
 from specchat.engine.weights.loading import layer_truncated
-from tests.tinymodels import loaded, tiny_llama
+from tests.tinymodels import loaded, tiny_llama, tiny_tokenizer
 
 
 def test_shortlist_head_scores_only_its_ids() -> None:
@@ -31,11 +39,38 @@ def test_shortlist_head_scores_only_its_ids() -> None:
     assert torch.isinf(got[..., mask]).all()
 
 
+def test_the_ranking_counts_the_library_sources_and_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ids by how often the corpus uses them, ties and unseen ids by id; counted once, then
+    read from the cache; a torn cache file is counted again."""
+    tok = tiny_tokenizer()
+    vocab = len(tok)
+    source = tmp_path / "corpus.py"
+    source.write_text("zq " * 5 + "xv " * 3 + "zq xv kj\n")
+    monkeypatch.setattr(draft_head, "corpus_files", lambda: [source])
+    counted: list[int] = []
+    ranking = token_ranking(tok, vocab, tmp_path, lambda: counted.append(1))
+    assert sorted(ranking.tolist()) == list(range(vocab)) and counted == [1]
+    counts = torch.bincount(torch.tensor(tok(source.read_text())["input_ids"]), minlength=vocab)
+    want = sorted(range(vocab), key=lambda i: (-int(counts[i]), i))
+    assert ranking.tolist() == want
+    assert counts[ranking[0]] > counts[ranking[int((counts > 0).sum())]] == 0
+    assert torch.equal(token_ranking(tok, vocab, tmp_path, lambda: counted.append(1)), ranking)
+    assert counted == [1]  # read from the cache
+    (kept,) = (tmp_path / "vocab-ranks").iterdir()
+    kept.write_bytes(b"torn")
+    assert torch.equal(token_ranking(tok, vocab, tmp_path, lambda: counted.append(1)), ranking)
+    assert counted == [1, 1]
+    ids = shortlist_ids(vocab, 4, extra=[vocab - 1], ranking=ranking)
+    assert ids.tolist() == sorted({*want[:4], vocab - 1})
+
+
 @pytest.mark.parametrize("keep", [64, 200])
 def test_greedy_spec_with_a_shortlist_draft_equals_plain(keep: int) -> None:
     target = tiny_llama(seed=0, layers=4)
     draft = layer_truncated(tiny_llama(seed=0, layers=4), 3)
-    apply_shortlist(draft, keep, extra=[2])
+    apply_shortlist(draft, shortlist_ids(draft.config.vocab_size, keep, extra=[2]))
     outs = {}
     for mode in (Mode.PLAIN, Mode.SPEC):
         s = ChatSession(loaded(target), loaded(draft, "draft"))

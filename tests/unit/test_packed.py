@@ -95,6 +95,47 @@ def test_changed_weights_are_packed_again(tmp_path: Path) -> None:
     assert from_cache(events) and torch.equal(logits(second), logits(third))
 
 
+def test_a_shortlist_head_is_cut_before_packing_and_kept_per_shortlist(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A draft with a shortlist head streams and packs like the whole model (its logits
+    are those of from_pretrained, the head cut, then quantized), and each shortlist is
+    kept in the cache apart from the whole head and from other shortlists."""
+    from specchat.engine.model import draft_head
+
+    corpus = tmp_path / "corpus.py"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 20)
+    monkeypatch.setattr(draft_head, "corpus_files", lambda: [corpus])
+    source = folder_model(tmp_path / "m")
+    cache = tmp_path / "cache"
+
+    def short(keep: int) -> tuple[object, list[LoadProgress]]:
+        events: list[LoadProgress] = []
+        spec = ModelSpec(str(source), QuantMode.INT8, dtype="float32", head_shortlist=keep)
+        return load_model(spec, "draft", cache_dir=cache, progress=events.append), events
+
+    first, events = short(40)
+    assert quantized(events) and any("layer by layer" in e.detail for e in events)
+    whole = Qwen2ForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    tok = first.tokenizer  # type: ignore[attr-defined]
+    ranking = draft_head.token_ranking(tok, 320, cache)
+    ids = draft_head.shortlist_ids(320, 40, tok.all_special_ids, ranking)
+    draft_head.apply_shortlist(whole, ids)
+    want = quant.apply(whole, QuantMode.INT8)
+    got = logits(first)
+    with torch.no_grad():
+        assert torch.equal(got, want(PROMPT).logits)
+    assert torch.isfinite(got[..., ids]).all() and int(torch.isfinite(got[0, 0]).sum()) == ids.numel()
+    again, events = short(40)
+    assert from_cache(events) and not quantized(events) and torch.equal(logits(again), got)
+    _, events = short(80)
+    assert quantized(events)
+    _, events = load(source, QuantMode.INT8, cache)
+    assert quantized(events)  # the whole head: a file of its own
+    (entry_dir,) = paths.packed_dir(cache).iterdir()
+    assert len(list(entry_dir.glob("*.pt"))) == 3
+
+
 def test_a_gguf_second_start_parses_nothing_of_the_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The entry holds the config and tokenizer: GGUF metadata (a 152k vocabulary in a
     real file) is not read again, nor any tensor."""
