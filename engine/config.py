@@ -71,7 +71,7 @@ class ModelSpec:
     quant: QuantMode | None = QuantMode.NONE  # None: chosen per device (loading.default_quant)
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
-    head_shortlist: int = 0  # draft only: score the first N token ids (+ specials); 0 = all
+    head_shortlist: int = 0  # draft only: score the N most frequent token ids (+ specials); 0 = all
 
 
 @dataclass(frozen=True, slots=True)

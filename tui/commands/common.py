@@ -83,8 +83,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="draft head scores only the first N token ids and the special tokens "
-        "(cheaper drafts; output stays exact)",
+        help="draft head scores only the N most frequent token ids and the special "
+        "tokens (cheaper drafts; output stays exact)",
     )
     g.add_argument(
         "--draft-head",
