@@ -316,8 +316,11 @@ class ChatSession:
         """The step costs the controller of `mode` starts from and keeps learning into.
 
         The draft model's mode uses the measured costs; every other drafter
-        has a draft cost of its own (a lookup costs next to nothing), learnt
-        from its first rounds, and shares the target's step and verify cost.
+        has a draft cost of its own, learnt from its first rounds, and shares the
+        target's step and verify cost. A lookup's starts at 0: a copy costs no
+        draft step, and a composed round weighs its copies against the model's
+        round from the first (unknown, a copier would be priced at plain's 1x
+        and never take the copies that would measure it).
         A turn drafted ahead verifies on one thread with the draft beside it,
         at the costs `measure_ahead` found, and keeps its own.
         """
@@ -327,7 +330,8 @@ class ChatSession:
         key = (mode, base is not self.costs)
         costs = self._mode_costs.get(key)
         if costs is None:
-            costs = Costs(base.target_step_ms, None, base.verify_slope, dict(base.verify_at))
+            draft = 0.0 if mode is Mode.LOOKUP else None
+            costs = Costs(base.target_step_ms, draft, base.verify_slope, dict(base.verify_at))
             self._mode_costs[key] = costs
         return costs
 

@@ -108,6 +108,28 @@ def test_a_copy_is_taken_only_where_it_is_expected_to_pay_more_than_the_models_r
     assert ChatSession._copy_pays_more(turn)  # type: ignore[arg-type]
 
 
+def test_a_fresh_session_weighs_its_first_copies_as_free_drafts(target: torch.nn.Module) -> None:
+    """The copies' controller starts knowing a copy costs no draft step. Unknown, it priced
+    every copy at plain's 1x until a copy was measured, which in a session that had run no
+    lookup turn never happened: against any draft model that paid, composed spec ran as the
+    draft model alone (the default pair's edits, AMX Xeon: 0 copies in 182 rounds)."""
+    from types import SimpleNamespace
+
+    from specchat.engine.decode.controller import Controller
+    from specchat.engine.decode.costs import Costs
+
+    session = pair_session(target)
+    session.costs = Costs(100.0, 20.0, 0.2, {1: 1.2, 4: 2.0})  # as a load measures them
+    cfg = DecodeConfig(mode=Mode.SPEC)
+    model = Controller(cfg, session._costs_for(Mode.SPEC))
+    copier = Controller(cfg, session._costs_for(Mode.LOOKUP))
+    assert model.best()[1] > 1.0  # the draft model pays at the prior acceptance
+    # At the same prior, a free draft pays more: K=1 1.7 / 1.2 against 1.7 / 1.4.
+    assert copier.costs.ratio() == 0.0 and copier.best()[1] > model.best()[1]
+    turn = SimpleNamespace(controller=model, copier=copier)
+    assert ChatSession._copy_pays_more(turn)  # type: ignore[arg-type]
+
+
 def test_a_seed_and_a_fixed_k_give_the_same_composed_reply_whatever_the_costs(
     target: torch.nn.Module,
 ) -> None:
