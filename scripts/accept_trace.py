@@ -31,6 +31,7 @@ import torch
 from specchat.engine.config import DecodeConfig, Mode, ModelSpec, QuantMode
 from specchat.engine.decode.controller import Controller
 from specchat.engine.decode.costs import Costs
+from specchat.engine.decode.speculative import ModelDrafter
 
 RANK_CAP = 7  # ranks beyond this are stored as 7
 SHORTLISTS = (8192, 16384, 32768, 65536)
@@ -372,7 +373,9 @@ def replay_composed(
         k = min(k, remaining - 1, max(verify))
         # as the session: the read of a prompt or plain stretch only where it pays back
         invests = mode is not Mode.PLAIN and use_copy and unseen > 2 and (not drafted or model.probing)
-        if invests and not model.pays_to_read(unseen - 1, remaining):
+        # as ModelDrafter.folds: a short stretch after the draft's first read rides in its first pass
+        folds = drafted and 2 < unseen <= ModelDrafter.FOLDED_ROWS + 1
+        if invests and not model.pays_to_read(unseen - 1, remaining, folded=folds):
             mode = Mode.PLAIN
         if mode is Mode.PLAIN or k < 1:
             cost, t, unseen = cost + 1, t + 1, unseen + 1
@@ -380,7 +383,7 @@ def replay_composed(
             model.take_reason()
             rounds["plain"] += 1
             continue
-        if unseen > 2:  # a catch-up pass, then one row in propose
+        if unseen > 2 and not folds:  # a catch-up pass, then one row in propose
             read = feed_cost(feed, unseen - 1)
             cost += read
             if drafted and priced:
@@ -392,7 +395,9 @@ def replay_composed(
             acc += 1
         sib = min(model.siblings, max(verify) - k)
         hit = sib > 0 and acc < min(k, sib) and rank[t + acc] == 1  # its second guess
-        cost += c * (1 + 0.1 * (unseen - 1)) + (k - 1) * c + verify[k + sib]
+        # the first draft pass reads what the draft missed: the round's two rows, or a short copy
+        first = c * (1 + 0.1 * (unseen - 1)) if unseen <= 2 else feed_cost(feed, unseen)
+        cost += first + (k - 1) * c + verify[k + sib]
         model.observe_round(k, acc + hit, k * c * step, verify[k + sib] * step, sib, hit)
         model.take_reason()
         rounds["model"] += 1

@@ -178,8 +178,9 @@ class Controller:
     def observe_copies(self, copied: int) -> None:
         """Composed spec, at each round the lookup does not draft: the tokens copied since
         the last such round (what the draft model reads before it drafts again)."""
-        # Up to two rows ride in the draft's next pass; past that a catch-up pass reads them.
-        read = self.costs.catch_up_ratio(copied) if copied > 1 else 0.0
+        # Up to two rows ride in the draft's next pass at no cost of their own; a short copy
+        # rides there too, at its rows' cost; a long one takes a catch-up pass.
+        read = self.costs.read_ratio(copied) if copied > 1 else 0.0
         self._copy_reads = self.MEMORY * self._copy_reads + read
         self._copy_gaps = self.MEMORY * self._copy_gaps + 1.0
         # A copy makes the next round dearer: re-plan now. Without one the price only
@@ -195,12 +196,12 @@ class Controller:
             row = max(0.0, ms - self.costs.catch_up_pass_ms) / rows
             self.costs.catch_up_row_ms = _ema(self.costs.catch_up_row_ms, row)
 
-    def pays_to_read(self, rows: int, remaining: int, left: str = "left") -> bool:
+    def pays_to_read(self, rows: int, remaining: int, left: str = "left", folded: bool = False) -> bool:
         """Whether the draft reading `rows` tokens it has not seen (a prompt, a plain stretch)
         pays back within the `remaining` tokens the reply may take (`left` names them in
         the reason): the best round's gain a token, 1 - 1/S, times those tokens, against
         the read. If not, plain decoding until the next probe, with the reason."""
-        read = self.costs.catch_up_ratio(rows)
+        read = self.costs.read_ratio(rows) if folded else self.costs.catch_up_ratio(rows)
         if not self.adaptive or not read or self.costs.ratio() is None:
             return True
         k, s = self._best_in_flight()

@@ -20,6 +20,7 @@ from ..metrics import expected_speedup
 from ..model.eagle import EagleHead, HeadCache
 from ..model.runner import ModelRunner
 from .ahead import predict_ahead_ms
+from .speculative import ModelDrafter
 
 
 @dataclass(slots=True)
@@ -51,6 +52,18 @@ class Costs:
         if rows <= 0 or not self.target_step_ms or self.catch_up_row_ms is None:
             return 0.0
         return (self.catch_up_pass_ms + rows * self.catch_up_row_ms) / self.target_step_ms
+
+    def read_ratio(self, rows: int) -> float:
+        """The draft reading `rows` tokens it missed, in target steps: their rows alone where
+        they ride in its first draft pass (up to ModelDrafter.FOLDED_ROWS), else a catch-up
+        pass."""
+        if rows > ModelDrafter.FOLDED_ROWS:
+            return self.catch_up_ratio(rows)
+        return self.folded_ms(rows) / self.target_step_ms if self.target_step_ms else 0.0
+
+    def folded_ms(self, rows: int) -> float:
+        """What `rows` tokens read in the first draft pass add to it (0 until measured)."""
+        return max(rows, 0) * (self.catch_up_row_ms or 0.0)
 
     def verify_ratio(self, k: int) -> float:
         """v(K): measured, else interpolated between measured K (v(0) = 1), else the slope."""

@@ -747,7 +747,7 @@ class ChatSession:
                 invests = not turn.model_drafted or ctl.probing
                 if unread and invests:
                     horizon, why = self._read_horizon(turn, remaining)
-                    if not ctl.pays_to_read(unread, horizon, why):
+                    if not ctl.pays_to_read(unread, horizon, why, model.folds(seq)):
                         mode = Mode.PLAIN
         else:
             mode, k = turn.run_mode, 0
@@ -758,13 +758,27 @@ class ChatSession:
             # A tree where the controller priced one, for the serial draft model's rounds
             # (a copy's drafts are one-hot; the draft ahead keeps a chain of its own).
             siblings = ctl.siblings if drafter in (self.drafter, self.head_drafter) else 0
+            serial = drafter if isinstance(drafter, ModelDrafter) else None
+            folded = serial.unread(seq) if serial is not None and serial.folds(seq) else 0
             res = speculative_round(
                 self.target_runner, drafter, seq, k, cfg, turn.generator, siblings
             )
+            if res.k and folded:
+                # A short read rode in the first draft pass: its rows' price moves from the
+                # draft's time (which the controller reads as K draft steps) to the catch-up.
+                moved = min(res.draft_ms, ctl.costs.folded_ms(folded))
+                res.draft_ms -= moved
+                res.catch_up_ms += moved
             if res.k:
                 # A timed catch-up pass prices a row (the prompt read before the model's first
                 # round is priced at load; on a GPU the timer would see launches only).
-                if unread and turn.model_drafted and model is not None and model.runner.device.type == "cpu":
+                if (
+                    unread
+                    and not folded
+                    and turn.model_drafted
+                    and model is not None
+                    and model.runner.device.type == "cpu"
+                ):
                     ctl.observe_catch_up(unread, res.catch_up_ms)
                 ctl.observe_round(
                     res.k, res.accepted, res.draft_ms, res.verify_ms, res.siblings, res.off_chain,

@@ -165,10 +165,12 @@ def test_the_models_rounds_are_told_what_the_copies_cost_it(
 ) -> None:
     """Every token a copy emitted reaches the model's controller before the model's next
     chance to draft (observe_copies), and each catch-up pass after the prompt's prices a
-    row with the rows it read (observe_catch_up)."""
+    row with the rows it read (observe_catch_up). Here every read past a round's two rows
+    takes a pass of its own (FOLDED_ROWS 1): the tiny replies' copies are short."""
     from specchat.engine.decode.controller import Controller
     from specchat.engine.decode.speculative import ModelDrafter
 
+    monkeypatch.setattr(ModelDrafter, "FOLDED_ROWS", 1)
     copies: list[int] = []
     reads: list[int] = []
     monkeypatch.setattr(Controller, "observe_copies", lambda self, n: copies.append(n))
@@ -201,6 +203,53 @@ def test_the_models_rounds_are_told_what_the_copies_cost_it(
     assert len(fed) >= 3 and fed[1:] == reads
     timed = [r.catch_up_ms for r in rounds if r.drafter == "tiny-draft"]
     assert sum(ms > 0 for ms in timed) >= len(fed)
+
+
+def test_a_short_copy_rides_in_the_drafts_first_pass_priced_as_a_read(
+    target: torch.nn.Module, monkeypatch: pytest.MonkeyPatch, copies_when_found: None
+) -> None:
+    """The tokens a copy left the draft behind by (up to FOLDED_ROWS) go in its first draft
+    pass, not a catch-up pass of their own; the round moves their rows' price from its
+    draft time to its catch-up, and no row is learnt from that price."""
+    from specchat.engine.decode.controller import Controller
+    from specchat.engine.decode.costs import Costs
+    from specchat.engine.decode.speculative import ModelDrafter
+
+    session = pair_session(target)
+    assert isinstance(session.drafter, ModelDrafter)
+    runner = session.drafter.runner
+    passes: list[int] = []  # the rows each catch-up pass read
+    prefill = runner.prefill
+
+    def counted(seq: list[int]) -> None:
+        passes.append(len(seq) - 1 - runner.cached)
+        prefill(seq)
+
+    monkeypatch.setattr(runner, "prefill", counted)
+    learnt: list[int] = []
+    monkeypatch.setattr(Controller, "observe_catch_up", lambda self, n, ms: learnt.append(n))
+    row_ms = 0.1  # a row's price: a few of them stay below a tiny draft pass (~1.5 ms)
+    monkeypatch.setattr(Costs, "folded_ms", lambda self, rows: rows * row_ms)
+    cfg = DecodeConfig(mode=Mode.SPEC, k=3, max_new_tokens=64)
+    events = list(session.stream(CODE, cfg))
+    rounds = [e for e in events if isinstance(e, RoundEvent)]
+    # After a copy, the model's round read 2..FOLDED_ROWS tokens beyond the round's two.
+    after_copy = [
+        r for prev, r in zip(rounds, rounds[1:], strict=False)
+        if prev.drafter == "lookup" and r.drafter == "tiny-draft"
+    ]
+    assert len(after_copy) >= 2
+    assert passes == [p for p in passes if p > ModelDrafter.FOLDED_ROWS]  # the prompt's, if any
+    assert learnt == []
+    # A read is priced at its rows; the catch-up is the no-op call's instant otherwise.
+    read = [r for r in after_copy if r.catch_up_ms >= 0.05]
+    assert read
+    for r in read:
+        rows = round(r.catch_up_ms / row_ms)
+        assert 2 <= rows <= ModelDrafter.FOLDED_ROWS and r.draft_ms > 0
+        assert r.catch_up_ms == pytest.approx(rows * row_ms, abs=0.02)
+    plain = plain_tokens(target, cfg)
+    assert [e.token_id for e in events if isinstance(e, TokenEvent)] == plain
 
 
 def reasons(events: list[object]) -> list[str]:

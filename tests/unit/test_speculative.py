@@ -202,11 +202,15 @@ def test_draft_catch_up_is_not_timed_as_drafting(target: torch.nn.Module) -> Non
 
 def test_a_rounds_own_pending_tokens_go_into_the_drafts_first_pass(target: torch.nn.Module) -> None:
     """After a round the draft lacks its last draft and the bonus token: those two are fed in
-    propose's first pass (one pass of 2 tokens), not by catch_up as a separate pass."""
+    propose's first pass (one pass of 2 tokens), not by catch_up as a separate pass; so is
+    a short stretch (a copy) up to FOLDED_ROWS past them. A longer one is fed by catch_up."""
     drafter = ModelDrafter(ModelRunner(tiny_llama(seed=3, layers=2), torch.device("cpu")))
     seq = list(range(3, 20))
     drafter.runner.forward(seq)  # as propose leaves it: all of seq cached
     drafter.catch_up(seq + [5, 6])  # two pending tokens: left to propose
     assert drafter.runner.cached == len(seq)
-    drafter.catch_up(seq + [5, 6, 7])  # a longer stretch: fed now, all but the last
-    assert drafter.runner.cached == len(seq) + 2
+    short = [5, 6] + [7] * (drafter.FOLDED_ROWS - 1)  # FOLDED_ROWS unread: still left to propose
+    drafter.catch_up(seq + short)
+    assert drafter.runner.cached == len(seq)
+    drafter.catch_up(seq + short + [8])  # a longer stretch: fed now, all but the last
+    assert drafter.runner.cached == len(seq) + len(short)
