@@ -7,6 +7,7 @@ prefix it shares with what the caches hold, and prefills only the rest.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -54,6 +55,8 @@ from .text import IncrementalDecoder, ReplyFilter, render_chat
 from .turn import Turn
 
 log = logging.getLogger(__name__)
+# What a session has learnt of its costs: the draft model's, the draft ahead's, other modes'.
+CostState = tuple[Costs, AheadCosts | None, dict[tuple[Mode, bool], Costs]]
 
 Progress = Callable[[LoadProgress], None]
 
@@ -125,6 +128,9 @@ class ChatSession:
         # on trees; None: the controller chooses.
         self.forced_siblings = forced_siblings
         self._mode_costs: dict[tuple[Mode, bool], Costs] = {}  # self-spec, lookup: see _costs_for
+        # The costs the first turn started from (the load's measurements, or none): a
+        # benchmark's cold start restores them, so no run starts from what another learnt.
+        self._first_costs: CostState | None = None
         notes: list[str] = []
         if not self.has_template:
             notes.append(
@@ -270,6 +276,7 @@ class ChatSession:
                 self._ahead_costs = measure_ahead(self.target_runner, scratch, self.costs, k, repeats)
             self.set_ahead(os.environ.get("SPECCHAT_AHEAD", "auto"))
         self.tokens = []
+        self._first_costs = None
         self.ready = self._make_ready()
         return self.costs
 
@@ -306,6 +313,7 @@ class ChatSession:
         )
         costs = Costs(target_ms, head_ms, self.costs.verify_slope, verify)
         self._mode_costs[(Mode.EAGLE, False)] = costs
+        self._first_costs = None
         self._notes.append(
             f"measured: draft head step c={head_ms / target_ms:.3f} "
             f"({head_ms:.1f} ms, target step {target_ms:.1f} ms)"
@@ -360,6 +368,8 @@ class ChatSession:
         if drop_caches:  # a benchmark's cold start: nothing learnt from earlier replies
             self._drop_caches()
             self._reply_tokens = None
+            if self._first_costs is not None:
+                self.costs, self._ahead_costs, self._mode_costs = copy.deepcopy(self._first_costs)
 
     def _drop_caches(self) -> None:
         self.tokens = []
@@ -515,6 +525,8 @@ class ChatSession:
     ) -> Iterator[Event]:
         """Run one reply; on a failure keep the first `keep` messages and report it."""
         t_start = time.perf_counter()
+        if self._first_costs is None:
+            self._first_costs = copy.deepcopy((self.costs, self._ahead_costs, self._mode_costs))
         try:
             yield from self._decode(cfg, cancel, t_start, continuing)
         except ContextOverflowError as exc:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -334,3 +336,31 @@ def test_the_typical_reply_length_is_kept_from_replies_that_ended_of_themselves(
     assert s._reply_tokens == pytest.approx(30.0)
     s.reset(drop_caches=True)  # a benchmark's cold start: forgotten
     assert s._reply_tokens is None
+
+
+def test_a_benchmarks_cold_start_starts_from_the_costs_the_first_turn_had(
+    target: torch.nn.Module,
+) -> None:
+    """Turns teach the session's costs (the draft's step, the verify passes, a lookup's own);
+    a new conversation keeps them, but a benchmark's cold start restores the costs its first
+    turn started from, so no arm of a bench starts from what another arm's runs learnt. A
+    new measurement is what later cold starts restore."""
+    s = priced_session(target, row_ms=2.0, pass_ms=10.0)
+    first = copy.deepcopy(s.costs)
+    cfg = DecodeConfig(mode=Mode.SPEC, max_new_tokens=24)
+    for mode in (Mode.SPEC, Mode.LOOKUP):
+        list(s.stream(REPEATING, cfg.with_(mode=mode)))
+    learnt = copy.deepcopy(s.costs)
+    assert learnt != first and s._mode_costs  # the turns taught the costs
+    s.reset()  # the same user's new conversation: kept
+    assert s.costs == learnt
+    s.reset(drop_caches=True)
+    assert s.costs == first and not s._mode_costs
+    list(s.stream(REPEATING, cfg))  # a second cold run learns again, from the same start
+    s.reset(drop_caches=True)
+    assert s.costs == first
+    measured = copy.deepcopy(s.measure_costs(k=2, repeats=1))
+    list(s.stream(REPEATING, cfg))
+    assert s.costs != measured
+    s.reset(drop_caches=True)
+    assert s.costs == measured
