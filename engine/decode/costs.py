@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..metrics import expected_speedup
+from ..model import native
 from ..model.eagle import EagleHead, HeadCache
 from ..model.runner import ModelRunner
 from .ahead import predict_ahead_ms
@@ -149,6 +150,42 @@ def measure_costs(target: ModelRunner, draft: ModelRunner, k: int = 4, repeats: 
         catch_up_row_ms=catch_up_row,
         catch_up_pass_ms=catch_up_pass,
     )
+
+
+# A 2-row block leaves the VNNI code for the AVX2 code only where that is faster than this
+# share of the VNNI code's time at load. The bits are the same either way, and a wrong pick
+# costs a few percent of a 2-row pass, so the bar is low: the medians of 6 turns (~1 s of a
+# 1.5B's load) tell Zen 4's 6% apart, one pass at a time does not.
+TWO_ROWS_GAIN = 0.99
+
+
+def choose_vnni_rows(target: ModelRunner, repeats: int = 1, turns: int = 6) -> str | None:
+    """On the w4a8 kernel's VNNI or AMX path, time the target's 2-row passes (a K=1 verify)
+    with the VNNI code and with the AVX2 code, in turns so drift in the machine's speed
+    hits both alike; where the AVX2 code is clearly faster (Zen 4: 1.10 against 1.16
+    steps), 2-row calls keep it from now on (`native.w4a8_set_vnni_min_rows`). Returns
+    what was chosen, for Ready, or None where nothing was measured (another path)."""
+    if native.w4a8_path() not in ("avx512vnni", "amx"):
+        return None
+    timed = pass_timer(target, repeats)
+    least = native.W4A8_VNNI_MIN_ROWS
+    vnni, avx2 = [], []
+    try:
+        for _ in range(turns):
+            native.w4a8_set_vnni_min_rows(least)
+            vnni.append(timed(2))
+            native.w4a8_set_vnni_min_rows(max(least, 3))
+            avx2.append(timed(2))
+    finally:
+        target.reset()
+    on_vnni, on_avx2 = statistics.median(vnni), statistics.median(avx2)
+    if on_avx2 < on_vnni * TWO_ROWS_GAIN:
+        why = f"2-row blocks on the AVX2 code, measured faster: {on_avx2:.1f} against {on_vnni:.1f} ms"
+        native.w4a8_set_vnni_min_rows(max(least, 3), why)
+    else:
+        why = f"2-row blocks measured {on_vnni:.1f} ms on it, {on_avx2:.1f} on the AVX2 code"
+        native.w4a8_set_vnni_min_rows(least, why)
+    return why
 
 
 # Whether the draft runs ahead on a core of its own (decode/ahead.py) is decided round by round

@@ -39,7 +39,14 @@ from ..weights.loading import LoadedModel, check_tokenizers_match, load_model, s
 from .ahead import AheadDrafter, ahead_of, common_prefix_len
 from .compose import ComposedDrafter
 from .controller import Controller, trees_pay_below
-from .costs import AheadCosts, Costs, measure_ahead, measure_costs, measure_head_cost
+from .costs import (
+    AheadCosts,
+    Costs,
+    choose_vnni_rows,
+    measure_ahead,
+    measure_costs,
+    measure_head_cost,
+)
 from .early_exit import EarlyExitStepper, SelfSpecDrafter
 from .exit_policy import policy_for
 from .head import HeadDrafter, load_draft_head
@@ -268,6 +275,8 @@ class ChatSession:
         if self.drafter is None or self.draft is None:
             return self.costs
         scratch = ModelRunner(self.draft.model, self.draft.device)
+        if self._picks_vnni_rows():
+            choose_vnni_rows(self.target_runner)
         self.costs = measure_costs(self.target_runner, scratch, k, repeats)
         if isinstance(self.drafter, ModelDrafter):
             self.drafter.runner.steps_on_one_thread = self.costs.draft_one_thread is not None
@@ -279,6 +288,15 @@ class ChatSession:
         self._first_costs = None
         self.ready = self._make_ready()
         return self.costs
+
+    def _picks_vnni_rows(self) -> bool:
+        """Whether the load times the w4a8 kernel's 2-row calls both ways: a w4a8 target on
+        the CPU, the kernel's path chosen automatically ($SPECCHAT_W4A8 names none)."""
+        return (
+            self.target.device.type == "cpu"
+            and self.target.info.quant in W4A8_MODES
+            and native.w4a8_default().strip().lower() in ("", "auto")
+        )
 
     def set_ahead(self, way: bool | str) -> None:
         """Whether greedy spec turns draft ahead on a core of their own (decode/ahead.py):

@@ -49,6 +49,8 @@ W4A8_PATHS = {"avx2": 0, "avx512vnni": 1, "amx": 2}
 W4A8_NAMES = {"avx2": "AVX2", "avx512vnni": "AVX512-VNNI", "amx": "AMX"}
 W4A8_ENV = "SPECCHAT_W4A8"  # auto (default), avx2, avx512vnni or amx
 _w4a8_path: dict[str, str] = {}  # "path" and "why", once the kernel is loaded
+# The fewest rows the VNNI code takes on several threads, and why where not the default.
+_w4a8_rows: dict[str, int | str] = {}
 _lock = threading.Lock()
 _built: dict[str, str] = {}  # kernel -> library path, once loaded in this process
 _failed: dict[str, QuantizationError] = {}  # kernel -> why its build failed in this process
@@ -106,9 +108,13 @@ def w4a8_choice(requested: str = "auto", have: cpu.CpuFeatures | None = None) ->
 
 
 # One row is bound by reads: the AVX2 code, same bits (w4a8.cpp). From two rows up the VNNI
-# code wins or ties: 2-3-row verify blocks of the 1.5B ~10% faster on Zen 5, a tie on Zen 4
-# (docs/performance.md, step 23). A call on one thread keeps 2-3 rows on the AVX2 code: on a
-# Zen 5 a 2-row block of the 1.5B costs 1.18 steps there against 1.48 (step 24).
+# code wins on Zen 5 (2-3-row verify blocks of the 1.5B ~10% faster: docs/performance.md,
+# step 23), but not on Zen 4, whose 512-bit instructions take two passes: there a 2-row block
+# costs 1.16 steps against the AVX2 code's 1.10, and 3 rows tie (step 34). So a session's
+# load times 2-row blocks both ways (decode/costs.py `choose_vnni_rows`) and keeps them on
+# the AVX2 code where that is clearly faster (`w4a8_set_vnni_min_rows`). A call on one
+# thread keeps 2-3 rows on the AVX2 code: on a Zen 5 a 2-row block of the 1.5B costs 1.18
+# steps there against 1.48 (step 24).
 W4A8_VNNI_MIN_ROWS = 2
 W4A8_VNNI_MIN_ROWS_ONE_THREAD = 4
 # On the AMX path, calls of fewer rows than this take the VNNI code (same bits). A tile
@@ -156,7 +162,25 @@ def _set_w4a8(
         W4A8_PATHS[path], vnni_min_rows, vnni_min_rows_one_thread, amx_min_rows
     )
     _w4a8_path.update(path=path, why=why)
+    _w4a8_rows.update(vnni=vnni_min_rows, one=vnni_min_rows_one_thread, why="")
     return path
+
+
+def w4a8_vnni_min_rows() -> int:
+    """The fewest rows a call on several threads takes the VNNI code from (on the VNNI and
+    AMX paths; fewer run the AVX2 code)."""
+    return int(_w4a8_rows.get("vnni", W4A8_VNNI_MIN_ROWS))
+
+
+def w4a8_set_vnni_min_rows(rows: int, why: str = "") -> None:
+    """Calls of fewer than `rows` rows on several threads run the AVX2 code from now on
+    (the same bits), on the path the kernel runs; `why` is said in `w4a8_describe`."""
+    load("w4a8")
+    with _lock:
+        path = _w4a8_path["path"]
+        one = max(rows, int(_w4a8_rows.get("one", W4A8_VNNI_MIN_ROWS_ONE_THREAD)))
+        torch.ops.specchat.w4a8_set_path(W4A8_PATHS[path], rows, one, W4A8_AMX_MIN_ROWS)
+        _w4a8_rows.update(vnni=rows, why=why)
 
 
 def _amx_granted() -> bool:
@@ -179,7 +203,8 @@ def w4a8_describe() -> str | None:
     if "path" not in _w4a8_path:
         return None
     path = _w4a8_path["path"]
-    vnni = f"{W4A8_VNNI_MIN_ROWS}+ rows ({W4A8_VNNI_MIN_ROWS_ONE_THREAD}+ on one thread)"
+    rows, one, chosen = _w4a8_rows["vnni"], _w4a8_rows["one"], _w4a8_rows["why"]
+    vnni = f"{rows}+ rows ({one}+ on one thread{'; ' + str(chosen) if chosen else ''})"
     rows = {
         "avx2": "",
         "avx512vnni": f" for blocks of {vnni}",

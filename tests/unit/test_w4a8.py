@@ -351,6 +351,43 @@ def test_a_call_on_one_thread_keeps_short_blocks_on_the_avx2_code(path_restored:
     assert not takes(8)
 
 
+@needs_kernel
+@pytest.mark.skipif(VNNI_MISSING, reason=f"no AVX512-VNNI here ({cpu.features().summary()})")
+@pytest.mark.parametrize("faster", ["avx2", "vnni", "neither"])
+def test_the_load_keeps_2_row_blocks_on_the_code_it_measured_faster(
+    faster: str, path_restored: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """2-row passes are timed with the VNNI code and the AVX2 code in turns; they move to
+    the AVX2 code only where it was more than 3% faster (Zen 4: 1.10 against 1.16 steps),
+    and Ready's kernel line says what was measured. Each pass here is priced by the code
+    the kernel would run it on, as the kernel itself reports."""
+    from specchat.engine.decode import costs
+
+    native.w4a8_use("avx512vnni")
+    takes = torch.ops.specchat.w4a8_takes_vnni
+    ms = {"avx2": (10.0, 9.0), "vnni": (9.0, 10.0), "neither": (10.0, 9.9)}[faster]
+
+    class Runner:
+        def reset(self) -> None:
+            pass
+
+    def timer(runner: object, repeats: int) -> object:
+        return lambda rows: ms[0] if takes(rows) else ms[1]
+
+    monkeypatch.setattr(costs, "pass_timer", timer)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # one thread keeps blocks under 4 rows on AVX2 anyway
+        said = costs.choose_vnni_rows(Runner())  # type: ignore[arg-type]
+        assert takes(2) == (faster != "avx2") and takes(3) and not takes(1)
+    finally:
+        torch.set_num_threads(before)
+    assert said is not None and said in str(native.w4a8_describe())
+    assert ("on the AVX2 code, measured faster" in said) == (faster == "avx2")
+    native.w4a8_use("avx2")  # another path: nothing to time
+    assert costs.choose_vnni_rows(Runner()) is None  # type: ignore[arg-type]
+
+
 def test_the_path_is_chosen_from_the_cpu_and_said() -> None:
     """auto takes VNNI where the CPU has it with AVX-512 F, BW and VL; a forced path the CPU
     lacks, or a name that is none, is refused with what to do."""
