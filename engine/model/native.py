@@ -166,12 +166,6 @@ def _set_w4a8(
     return path
 
 
-def w4a8_vnni_min_rows() -> int:
-    """The fewest rows a call on several threads takes the VNNI code from (on the VNNI and
-    AMX paths; fewer run the AVX2 code)."""
-    return int(_w4a8_rows.get("vnni", W4A8_VNNI_MIN_ROWS))
-
-
 def w4a8_set_vnni_min_rows(rows: int, why: str = "") -> None:
     """Calls of fewer than `rows` rows on several threads run the AVX2 code from now on
     (the same bits), on the path the kernel runs; `why` is said in `w4a8_describe`."""
