@@ -197,8 +197,8 @@ def w4a8_describe() -> str | None:
     if "path" not in _w4a8_path:
         return None
     path = _w4a8_path["path"]
-    rows, one, chosen = _w4a8_rows["vnni"], _w4a8_rows["one"], _w4a8_rows["why"]
-    vnni = f"{rows}+ rows ({one}+ on one thread{'; ' + str(chosen) if chosen else ''})"
+    least, one, chosen = _w4a8_rows["vnni"], _w4a8_rows["one"], _w4a8_rows["why"]
+    vnni = f"{least}+ rows ({one}+ on one thread{'; ' + str(chosen) if chosen else ''})"
     rows = {
         "avx2": "",
         "avx512vnni": f" for blocks of {vnni}",
