@@ -56,6 +56,11 @@ _built: dict[str, str] = {}  # kernel -> library path, once loaded in this proce
 _failed: dict[str, QuantizationError] = {}  # kernel -> why its build failed in this process
 
 
+def build_flags(kernel: str) -> list[str]:
+    """The compiler flags `kernel` is built with (the packed cache keys on the w4a8 kernel's)."""
+    return list(_FLAGS[kernel])
+
+
 def cpu_supports(kernel: str, have: cpu.CpuFeatures | None = None) -> str | None:
     """Why this CPU (or one that has `have`) cannot run `kernel`, or None when it can.
 

@@ -9,10 +9,13 @@ depends only on the weights, the mode, the dtype and the code that packs, so it 
         <mode>-<dtype>.pt              the quantized model as torch.save writes it
         entry.json                     what it is, where it came from, its size, when last used
 
-The code key hashes the packing code (quant.py, qlinear.py, the kernel sources, the
-streamed readers), torch's, transformers' and gguf's versions and the CPU's features
-(fbgemm's int8 range depends on them), so an entry is never read by code that would
-pack differently: new code makes a new entry and the old one ages out. The file is
+The code key hashes the packing code (quant.py, qlinear.py, the w4a8 kernel's source,
+which packs, and its compiler flags, the streamed readers), torch's, transformers' and
+gguf's versions and the CPU's features (fbgemm's int8 range depends on them), so an
+entry is never read by code that would pack differently: new code makes a new entry and
+the old one ages out. The decoder kernel and the kernels' path choice (native.py) pack
+nothing, and an edit there no longer re-packs every model (~40 s and ~2.5 GB a change
+for the default pair). The file is
 torch's pickle of the module tree: it is read back only from specchat's own cache, as
 the kernels it builds there are. `$SPECCHAT_PACKED_CACHE=0` turns the cache off.
 """
@@ -42,8 +45,7 @@ _HERE = Path(__file__).resolve().parent
 _CODE = (
     _HERE.parent / "model" / "quant.py",
     _HERE.parent / "model" / "qlinear.py",
-    _HERE.parent / "model" / "native.py",
-    *sorted((_HERE.parent / "model" / "csrc").glob("*")),
+    _HERE.parent / "model" / "csrc" / "w4a8.cpp",
     _HERE / "stream.py",
     _HERE / "gguf_file.py",
     Path(__file__).resolve(),
@@ -60,11 +62,12 @@ def code_key() -> str:
 
     import transformers
 
-    from ..model import cpu
+    from ..model import cpu, native
 
     digest = hashlib.sha256(f"format {FORMAT}\n".encode())
     for path in _CODE:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    digest.update(" ".join(native.build_flags("w4a8")).encode() + b"\0")
     versions = f"torch {torch.__version__} transformers {transformers.__version__} gguf {version('gguf')}"
     digest.update(f"{versions}\n{cpu.features().summary()}\n".encode())
     return digest.hexdigest()[:12]

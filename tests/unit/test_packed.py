@@ -180,6 +180,20 @@ def test_the_key_follows_the_packing_code(tmp_path: Path, monkeypatch: pytest.Mo
     assert packed.code_key() != before
 
 
+def test_the_key_follows_the_kernels_flags_not_the_code_that_packs_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The w4a8 kernel packs, so its compiler flags are in the key; the decoder kernel and
+    the path choice (native.py) pack nothing, and an edit there keeps every entry."""
+    from specchat.engine.model import native
+
+    names = {path.name for path in packed._CODE}
+    assert "w4a8.cpp" in names and not names & {"decoder.cpp", "native.py"}
+    before = packed.code_key()
+    monkeypatch.setitem(native._FLAGS, "w4a8", [*native._FLAGS["w4a8"], "-ffast-math"])
+    assert packed.code_key() != before
+
+
 def test_off_means_off_and_old_entries_age_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     source = folder_model(tmp_path / "m")
     cache = tmp_path / "cache"
