@@ -10,7 +10,8 @@
 //
 // What runs here, per layer: RMSNorm; q/k/v projections (one stacked GEMM or three);
 // rotary embedding; appending K/V to the cache buffers; attention of each new row
-// against the keys up to its own position (engine/attention.py's one-query form);
+// against the keys up to its own position (`attend` below, which engine/attention.py's
+// one-query form also calls; ATen's matmuls where it does not run);
 // output projection; residual; RMSNorm; SwiGLU MLP; residual. Embedding, rotary
 // tables, final norm and LM head stay in Python.
 //
@@ -23,8 +24,9 @@
 // very call a step makes. forward's `rows` says which (Rows); kBatched is transformers'
 // modules' way, one call for the block.
 //
-// Registered as torch.classes.specchat.Decoder, torch.ops.specchat.fixed_linear and
-// torch.ops.specchat.fixed_linear_isa; compiled on first use (engine/native.py).
+// Registered as torch.classes.specchat.Decoder, torch.ops.specchat.fixed_linear,
+// torch.ops.specchat.fixed_linear_isa, torch.ops.specchat.attend and
+// torch.ops.specchat.attend_takes; compiled on first use (engine/native.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -35,6 +37,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <condition_variable>
 #include <cstdlib>
 #include <exception>
@@ -373,6 +376,210 @@ at::Tensor dense(const Projection& p, const at::Tensor& x, int64_t rows) {
   return at::cat(out, 1);
 }
 
+// ------------------------------------------------------------------ one-query attention rows
+// softmax(q k^T * scaling) v for M query rows of one sequence, row r against the keys
+// [0, first + r): a verify block's rows (first = past + 1), or one row (a step, or a tree
+// row over its rearranged buffer). ATen's form of it (one_query below: two small batched
+// matmuls and a softmax) costs ~40 us a row and layer at 200 keys on a 2-core Zen 4,
+// most of it the calls' own overhead: ~1 ms a row of the 1.5B target's 28 layers. Here
+// each score is one dot product of 8-lane fused multiply-adds over the head dimension and
+// a fixed tree over the lanes; each row's softmax sums its exponentials lane by lane in key
+// order; each output is the probabilities' weighted sum of values in key order. None of
+// it depends on how many rows share the call, how keys are blocked, or which thread runs
+// a key head: a row alone and in a block get the same bits (a step and a verify row).
+// AVX2 and FMA, chosen where fixed_linear_isa is (the module path, engine/attention.py,
+// calls the same code through torch.ops.specchat.attend, so both paths agree).
+#ifdef SPECCHAT_FIXED_X86
+// e^x lane by lane (Cephes' expf: 2^n times a degree-7 polynomial of the remainder, ~1
+// ulp); x below -87 gives e^-87 (~1.6e-38), far under any softmax's resolution.
+__attribute__((target("avx2,fma"))) inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// Lanes 0..n-1 all ones (n 0..8).
+__attribute__((target("avx2,fma"))) inline __m256i lanes256(int64_t n) {
+  const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n)), index);
+}
+
+// 8 accumulators' lane sums as one vector (lane j: acc[j]'s), by a fixed tree.
+__attribute__((target("avx2,fma"))) inline __m256 sums8(const __m256* acc) {
+  const __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 a = _mm256_hadd_ps(s01, s23), b = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// o_j[c, c + 8) = sum over t < n of p_j[t] v_t[c, c + 8) for NJ heads j (p_j at p + j * ps,
+// o_j at o + j * os), in key order: each value vector is read once for all NJ heads.
+template <int NJ>
+__attribute__((target("avx2,fma"))) void weigh_values(const float* p, int64_t ps, int64_t n,
+                                                      const float* v, int64_t ts, float* o,
+                                                      int64_t os) {
+  __m256 acc[NJ];
+#pragma GCC unroll 8
+  for (int j = 0; j < NJ; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    const __m256 vt = _mm256_loadu_ps(v + t * ts);
+#pragma GCC unroll 8
+    for (int j = 0; j < NJ; ++j) acc[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j * ps + t), vt, acc[j]);
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < NJ; ++j) _mm256_storeu_ps(o + j * os, acc[j]);
+}
+
+using Weigh = void (*)(const float*, int64_t, int64_t, const float*, int64_t, float*, int64_t);
+constexpr Weigh kWeigh[8] = {&weigh_values<1>, &weigh_values<2>, &weigh_values<3>, &weigh_values<4>,
+                             &weigh_values<5>, &weigh_values<6>, &weigh_values<7>, &weigh_values<8>};
+
+struct Heads {
+  const float* q;  // [M, H, D], contiguous
+  const float* k;  // key head g at k + g * hs, key t at + t * ts
+  const float* v;
+  float* out;  // [M, H, D]
+  int64_t m, h, h_kv, d, first, hs_k, ts_k, hs_v, ts_v;
+  float scaling;
+};
+
+// Key head g: its G = H / H_kv query heads, every row.
+__attribute__((target("avx2,fma"))) void attend_head(const Heads& a, int64_t g) {
+  const int64_t G = a.h / a.h_kv, d = a.d, last = a.first + a.m - 1;
+  const int64_t pad = (last + 7) / 8 * 8;
+  std::vector<float> scores(static_cast<size_t>(a.m * G * pad));
+  const float* kg = a.k + g * a.hs_k;
+  const float* vg = a.v + g * a.hs_v;
+  const __m256 scaling = _mm256_set1_ps(a.scaling);
+  // Scores, 8 keys at a time for every row and head (the 8 keys stay in the L1 cache).
+  for (int64_t t0 = 0; t0 < last; t0 += 8) {
+    for (int64_t r = 0; r < a.m; ++r) {
+      const int64_t n = a.first + r;
+      if (t0 >= n) continue;
+      // Keys past the row's last (in its last group of 8) repeat the last: their lanes are
+      // dropped below, and every lane's sum is its own key's alone.
+      const float* kt[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) kt[i] = kg + std::min<int64_t>(t0 + i, n - 1) * a.ts_k;
+      for (int64_t j = 0; j < G; ++j) {
+        const float* q = a.q + (r * a.h + g * G + j) * d;
+        __m256 acc[8];
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < d; c += 8) {
+          const __m256 qv = _mm256_loadu_ps(q + c);
+#pragma GCC unroll 8
+          for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kt[i] + c), acc[i]);
+        }
+        float* s = scores.data() + (r * G + j) * pad;
+        _mm256_storeu_ps(s + t0, _mm256_mul_ps(sums8(acc), scaling));
+      }
+    }
+  }
+  for (int64_t r = 0; r < a.m; ++r) {
+    const int64_t n = a.first + r;
+    const __m256i tail = lanes256(n % 8 == 0 ? 8 : n % 8);
+    const int64_t full = (n - 1) / 8 * 8;  // the last (maybe partial) vector starts here
+    for (int64_t j = 0; j < G; ++j) {
+      float* s = scores.data() + (r * G + j) * pad;
+      // softmax over s[0, n): the max (exact in any order), e^(s - max) summed lane by lane
+      __m256 mx = _mm256_set1_ps(-INFINITY);
+      for (int64_t t = 0; t < full; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + t));
+      mx = _mm256_max_ps(mx, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(s + full),
+                                              _mm256_castsi256_ps(tail)));
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const __m256 top = _mm256_set1_ps(_mm_cvtss_f32(m4));
+      __m256 total = _mm256_setzero_ps();
+      for (int64_t t = 0; t <= full; t += 8) {
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), top));
+        if (t == full) e = _mm256_and_ps(e, _mm256_castsi256_ps(tail));
+        _mm256_storeu_ps(s + t, e);
+        total = _mm256_add_ps(total, e);
+      }
+      const __m256 inv = _mm256_set1_ps(1.0f / hsum256(total));
+      for (int64_t t = 0; t <= full; t += 8)  // the probabilities
+        _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), inv));
+    }
+    // out = sum_t p_t v_t: 8 lanes of the head dimension at a time, up to 8 heads a pass
+    const float* p = scores.data() + r * G * pad;
+    float* o = a.out + (r * a.h + g * G) * d;
+    for (int64_t j0 = 0; j0 < G; j0 += 8) {
+      const Weigh weigh = kWeigh[std::min<int64_t>(8, G - j0) - 1];
+      for (int64_t c = 0; c < d; c += 8)
+        weigh(p + j0 * pad, pad, n, vg + c, a.ts_v, o + j0 * d + c, d);
+    }
+  }
+}
+#endif
+
+// Whether attend() takes these tensors: float32 on the CPU, one sequence, a head dimension
+// of a multiple of 8, contiguous along it, and a CPU the fixed kernels run on.
+// SPECCHAT_ATTEND=aten, read once, keeps ATen's matmuls (to measure one against the other).
+bool attend_takes(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value) {
+#ifdef SPECCHAT_FIXED_X86
+  static const bool aten = [] {
+    const char* env = std::getenv("SPECCHAT_ATTEND");
+    return env != nullptr && std::string(env) == "aten";
+  }();
+  return !aten && !fixed_linear_isa().empty() && q.dim() == 4 && key.dim() == 4 && value.dim() == 4 &&
+         q.size(0) == 1 && key.size(0) == 1 && q.scalar_type() == at::kFloat &&
+         key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat &&
+         q.device().is_cpu() && q.size(3) % 8 == 0 && key.stride(3) == 1 &&
+         value.stride(3) == 1 && q.size(1) % key.size(1) == 0;
+#else
+  (void)q, (void)key, (void)value;
+  return false;
+#endif
+}
+
+// q [1, H, M, D]; key, value [1, H_kv, >= first + M - 1, D]; row r sees keys [0, first + r).
+// Returns [1, M, H, D]. Call only where attend_takes says so.
+at::Tensor attend(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value,
+                  int64_t first, double scaling) {
+  const int64_t h = q.size(1), m = q.size(2), d = q.size(3), h_kv = key.size(1);
+  TORCH_CHECK(first >= 1 && key.size(2) >= first + m - 1 && value.size(2) >= first + m - 1,
+              "attend: too few keys for the rows");
+  TORCH_CHECK(key.size(3) == d && value.size(3) == d && value.size(1) == h_kv, "attend: shapes");
+  auto qc = q.transpose(1, 2).contiguous();  // [1, M, H, D]
+  auto out = at::empty({1, m, h, d}, q.options());
+#ifdef SPECCHAT_FIXED_X86
+  Heads a{qc.data_ptr<float>(), key.data_ptr<float>(), value.data_ptr<float>(),
+          out.data_ptr<float>(), m, h, h_kv, d, first, key.stride(1), key.stride(2),
+          value.stride(1), value.stride(2), static_cast<float>(scaling)};
+  // Key heads on threads of their own only where a row reads many keys (kOneThreadKeys).
+  const int64_t grain = first + m - 1 > 2048 ? 1 : h_kv;
+  split(h_kv, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) attend_head(a, g);
+  });
+#endif
+  return out;
+}
+
+// torch.ops.specchat.attend: engine/attention.py's rows, [1, H, M, D] -> [1, M, H, D].
+at::Tensor attend_op(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value,
+                     int64_t first, double scaling) {
+  TORCH_CHECK(attend_takes(q, key, value), "attend: not for these tensors or this CPU");
+  return attend(q, key, value, first, scaling);
+}
+
+bool attend_takes_op(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value) {
+  return attend_takes(q, key, value);
+}
+
 // Mirrors nn.Linear, or engine/quant.py's W4A8Linear (+ SharedInputGroup's split and biases).
 void project(const Projection& p, const at::Tensor& x, std::vector<at::Tensor>& out,
              int64_t rows) {
@@ -460,6 +667,14 @@ at::Tensor one_query(const at::Tensor& query, const at::Tensor& key, const at::T
   auto scores = at::matmul(q, key.transpose(-1, -2)) * scaling;
   auto probs = at::softmax(scores, -1, at::kFloat).to(value.scalar_type());
   return at::matmul(probs, value).reshape({1, 1, h, d});
+}
+
+// One query row [1, H, 1, D] against all of key/value's T keys, [1, 1, H, D]: attend where
+// it takes them, else ATen's one_query (the same choice the module path makes).
+at::Tensor attend_or_not(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                         double scaling) {
+  if (attend_takes(query, key, value)) return attend(query, key, value, key.size(2), scaling);
+  return one_query(query, key, value, scaling);
 }
 
 // A draft tree's rows (forward's `parents`): for each row, its path from row 0 (the rows
@@ -584,7 +799,9 @@ struct Decoder : torch::CustomClassHolder {
       auto key = keys[i].narrow(2, 0, end);
       auto value = values[i].narrow(2, 0, end);
       at::Tensor att;
-      if (m == 1) {
+      if (paths.empty() && attend_takes(q, key, value)) {
+        att = attend(q, key, value, past + 1, l.scaling);  // every row of a chain at once
+      } else if (m == 1) {
         att = one_query(q, key, value, l.scaling);
       } else {
         std::vector<at::Tensor> rows;
@@ -592,8 +809,8 @@ struct Decoder : torch::CustomClassHolder {
         for (int64_t r = 0; r < m; ++r) {
           if (paths.empty() || paths[r].empty()) {  // row r sees the keys up to its own slot
             const int64_t upto = end - (m - 1 - r);
-            rows.push_back(one_query(q.slice(2, r, r + 1), key.narrow(2, 0, upto),
-                                     value.narrow(2, 0, upto), l.scaling));
+            rows.push_back(attend_or_not(q.slice(2, r, r + 1), key.narrow(2, 0, upto),
+                                         value.narrow(2, 0, upto), l.scaling));
             continue;
           }
           // A tree row off the chain: its path's K/V go to the slots a chain would hold
@@ -608,8 +825,8 @@ struct Decoder : torch::CustomClassHolder {
           auto index = at::tensor(path, at::kLong);
           keys[i].narrow(2, past, n).copy_(block_k.index_select(2, index));
           values[i].narrow(2, past, n).copy_(block_v.index_select(2, index));
-          rows.push_back(one_query(q.slice(2, r, r + 1), key.narrow(2, 0, past + n),
-                                   value.narrow(2, 0, past + n), l.scaling));
+          rows.push_back(attend_or_not(q.slice(2, r, r + 1), key.narrow(2, 0, past + n),
+                                       value.narrow(2, 0, past + n), l.scaling));
           keys[i].narrow(2, past, n).copy_(block_k.narrow(2, 0, n));
           values[i].narrow(2, past, n).copy_(block_v.narrow(2, 0, n));
         }
@@ -642,6 +859,9 @@ struct Decoder : torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(specchat, m) {
   m.def("fixed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &fixed_linear);
   m.def("fixed_linear_isa() -> str", &fixed_linear_isa);
+  m.def("attend(Tensor q, Tensor key, Tensor value, int first, float scaling) -> Tensor",
+        &attend_op);
+  m.def("attend_takes(Tensor q, Tensor key, Tensor value) -> bool", &attend_takes_op);
   m.class_<Decoder>("Decoder")
       .def(torch::init<>())
       .def("add_layer", &Decoder::add_layer)
