@@ -4,7 +4,7 @@ Loads every (model, mode) once, then measures them in interleaved rounds (each
 round visits every model, mode and thread count once, in turn), so drift in a
 shared machine's speed hits all alike. Prints medians over rounds:
 
-    step      ms for one token on a cache of ~PROMPT tokens (median of --tokens steps)
+    step      ms for one token on a cache of --context tokens (median of --tokens steps)
     verify N  ms for one pass over N new tokens on the same cache, / step
 
 and, for every draft/target pair given, the cost ratio c = draft step / target step.
@@ -28,12 +28,12 @@ from specchat.engine.model import native as kernels
 from specchat.engine.model.runner import ModelRunner
 from specchat.engine.weights.loading import load_model
 
-PROMPT = 64
+PROMPT = 64  # the cache's tokens before the steps (--context)
 
 
-def measure(runner: ModelRunner, tokens: int, blocks: list[int]) -> dict[str, float]:
+def measure(runner: ModelRunner, tokens: int, blocks: list[int], context: int = PROMPT) -> dict[str, float]:
     runner.reset()
-    runner.feed(list(range(1000, 1000 + PROMPT)))
+    runner.feed([1000 + i % 5000 for i in range(context)])
     tok, steps = 500, []
     for _ in range(tokens + 2):
         t = time.perf_counter()
@@ -58,6 +58,9 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument(
+        "--context", type=int, default=PROMPT, help="tokens in the cache before the timed steps"
+    )
     ap.add_argument("--blocks", default="2,3,5,9", help="verify block sizes (K+1)")
     ap.add_argument(
         "--draft-vocab",
@@ -127,7 +130,7 @@ def main() -> None:
                 label = f"{mode}@{path}" if path else mode
                 for th in threads:
                     torch.set_num_threads(th)
-                    for key, value in measure(runner, args.tokens, blocks).items():
+                    for key, value in measure(runner, args.tokens, blocks, args.context).items():
                         results[(model, label, th)][key].append(value)
         print(f"round {r + 1}/{args.rounds} done", flush=True)
     print(f"\nCPU: {cpu.features().summary()}; {kernels.w4a8_describe() or 'no w4a8 kernel loaded'}")

@@ -78,3 +78,23 @@ def test_the_module_path_scores_a_row_with_the_same_code() -> None:
     # Where attend does not take them (float64 here), the matmuls run, to the same values.
     ref = attention._one_query(module, q.double(), key.double(), value.double(), {"scaling": 0.125})
     torch.testing.assert_close(ref, want.double(), rtol=0, atol=1e-5)
+
+
+def test_a_long_cache_split_over_threads_gives_the_same_bits() -> None:
+    """From 1,024 keys the key heads run on threads of their own (kSplitKeys): which thread
+    scores a head never changes a value, and every row still matches the reference."""
+    gen = torch.Generator().manual_seed(5)
+    first, m = 1100, 3
+    key = torch.randn(1, 2, first + m, 64, generator=gen)
+    value = torch.randn(1, 2, first + m, 64, generator=gen)
+    q = torch.randn(1, 14, m, 64, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        split = torch.ops.specchat.attend(q, key, value, first, 0.125)
+        torch.set_num_threads(1)
+        alone = torch.ops.specchat.attend(q, key, value, first, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(split, alone)
+    torch.testing.assert_close(split.double(), reference(q, key, value, first, 0.125), rtol=0, atol=2e-5)
