@@ -41,7 +41,9 @@ _SOURCES = {"w4a8": _CSRC / "w4a8.cpp", "decoder": _CSRC / "decoder.cpp"}
 KERNELS = tuple(_SOURCES)
 _FLAGS = {
     "w4a8": ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG"],
-    "decoder": ["-O2", "-DNDEBUG"],  # only calls ATen: any x86-64 or ARM CPU
+    # Any x86-64 or ARM CPU (its x86 kernels pick their instructions at run time); no
+    # product fused into a sum, so its own loops give ATen's elementwise values.
+    "decoder": ["-O2", "-ffp-contract=off", "-DNDEBUG"],
 }
 _NEEDS_AVX2 = {"w4a8"}
 # The w4a8 kernel's paths, by the instruction sets each needs (the same bits from either).

@@ -660,6 +660,45 @@ at::Tensor rotate_half(const at::Tensor& x) {
   return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
 }
 
+// x * cos + rotate_half(x) * sin for x [1, H, M, D] and cos, sin [1, 1, M, D], float32: the
+// values of those five ATen calls (each product rounded, then the sum; negation is exact, and
+// the library is built with -ffp-contract=off so no product fuses into the add), in one
+// loop. Returned as [1, H, M, D] over [1, M, H, D] memory, which attend reads as it is.
+// Other dtypes take the ATen calls.
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t h = x.size(1), m = x.size(2), d = x.size(3), half = d / 2;
+  if (x.scalar_type() != at::kFloat || cos.scalar_type() != at::kFloat ||
+      sin.scalar_type() != at::kFloat || x.stride(3) != 1 || d % 2 != 0 || cos.size(2) != m ||
+      sin.size(2) != m || cos.size(3) != d || sin.size(3) != d)
+    return x * cos + rotate_half(x) * sin;
+  const auto c = cos.contiguous(), s = sin.contiguous();
+  auto out = at::empty({1, m, h, d}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* cp = c.data_ptr<float>();
+  const float* sp = s.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t sh = x.stride(1), sr = x.stride(2);
+  for (int64_t r = 0; r < m; ++r) {
+    const float* cr = cp + r * d;
+    const float* srow = sp + r * d;
+    for (int64_t j = 0; j < h; ++j) {
+      const float* xi = xp + j * sh + r * sr;
+      float* oi = op + (r * h + j) * d;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = xi[i] * cr[i];
+        const float b = -xi[i + half] * srow[i];
+        oi[i] = a + b;
+      }
+      for (int64_t i = half; i < d; ++i) {
+        const float a = xi[i] * cr[i];
+        const float b = xi[i - half] * srow[i];
+        oi[i] = a + b;
+      }
+    }
+  }
+  return out.transpose(1, 2);
+}
+
 // Up to this many keys a query row is scored on one thread (engine/attention.py's
 // ONE_THREAD_KEYS, which says why).
 constexpr int64_t kOneThreadKeys = 2048;
@@ -817,8 +856,8 @@ struct Decoder : torch::CustomClassHolder {
       auto q = parts[0].view({1, m, -1, l.head_dim}).transpose(1, 2);  // [1, H, M, D]
       auto k = parts[1].view({1, m, -1, l.head_dim}).transpose(1, 2);  // [1, Hkv, M, D]
       auto v = parts[2].view({1, m, -1, l.head_dim}).transpose(1, 2);
-      q = q * cos + rotate_half(q) * sin;
-      k = k * cos + rotate_half(k) * sin;
+      q = rotary(q, cos, sin);
+      k = rotary(k, cos, sin);
       keys[i].narrow(2, past, m).copy_(k);
       values[i].narrow(2, past, m).copy_(v);
       auto key = keys[i].narrow(2, 0, end);
