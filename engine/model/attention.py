@@ -138,7 +138,7 @@ def _one_query(
     at 1,024 cached tokens on the 1.5B target (6x what the matmuls cost), the
     largest cost after the GEMMs at long contexts. Returns [B, 1, H, D]. Where the
     decoder kernel runs (float32 on an x86 CPU with AVX2), its `attend` scores the row
-    instead, as the native decoder does: ~4x faster than the matmuls at 200 keys, and
+    instead, as the native decoder does: ~2x faster than the matmuls at 200 keys, and
     the two paths give the same bits.
     """
     if _attend_takes(query, key, value):  # the native decoder's own code for a row

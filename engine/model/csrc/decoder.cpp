@@ -5,8 +5,10 @@
 // 113 matrix products. Issued from Python through transformers' modules they cost
 // ~50 ms of a ~160 ms step on one core (the interpreter's own work, and caches cold
 // after every weight stream). Here the same ATen operations run in the same order
-// with the same arguments, so every value is bit-identical to the Python path
-// (tests/unit/test_decoder.py checks it): only the interpreter is gone.
+// with the same arguments, or a loop of ours that gives their values (the rotary
+// embedding) or that the Python path calls too (attention, `attend`), so every value is
+// bit-identical to the Python path (tests/unit/test_decoder.py checks it): only the
+// interpreter and most of the calls are gone.
 //
 // What runs here, per layer: RMSNorm; q/k/v projections (one stacked GEMM or three);
 // rotary embedding; appending K/V to the cache buffers; attention of each new row
