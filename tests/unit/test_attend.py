@@ -24,7 +24,7 @@ def attend_kernel() -> None:
     native.load("decoder")
     probe = torch.zeros(1, 2, 1, 8)
     if not torch.ops.specchat.attend_takes(probe, probe, probe):
-        pytest.skip("attend runs on x86 CPUs with AVX2 and FMA (SPECCHAT_FIXED_ISA=none: off)")
+        pytest.skip("attend runs on x86 CPUs with AVX2 and FMA (off: SPECCHAT_FIXED_ISA=none, SPECCHAT_ATTEND=aten)")
 
 
 def reference(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, first: int, scaling: float) -> torch.Tensor:
