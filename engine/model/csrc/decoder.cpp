@@ -603,10 +603,6 @@ at::Tensor attend_op(const at::Tensor& q, const at::Tensor& key, const at::Tenso
   return attend(q, key, value, first, scaling);
 }
 
-bool attend_takes_op(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value) {
-  return attend_takes(q, key, value);
-}
-
 // Mirrors nn.Linear, or engine/quant.py's W4A8Linear (+ SharedInputGroup's split and biases).
 void project(const Projection& p, const at::Tensor& x, std::vector<at::Tensor>& out,
              int64_t rows) {
@@ -927,7 +923,7 @@ TORCH_LIBRARY_FRAGMENT(specchat, m) {
   m.def("fixed_linear_isa() -> str", &fixed_linear_isa);
   m.def("attend(Tensor q, Tensor key, Tensor value, int first, float scaling) -> Tensor",
         &attend_op);
-  m.def("attend_takes(Tensor q, Tensor key, Tensor value) -> bool", &attend_takes_op);
+  m.def("attend_takes(Tensor q, Tensor key, Tensor value) -> bool", &attend_takes);
   m.class_<Decoder>("Decoder")
       .def(torch::init<>())
       .def("add_layer", &Decoder::add_layer)
