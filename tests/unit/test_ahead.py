@@ -225,7 +225,12 @@ def test_a_turn_changes_way_and_stays_exact(
     target: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Auto: the way changes every few rounds (a choice that always wants the other way),
-    the worker starts and stops with it, the reasons say so, and the reply is plain's."""
+    the worker starts and stops with it, the reasons say so, and the reply is plain's.
+    The controller never falls back to plain here: it would from the tiny model's measured
+    timings on a busy machine, and a turn that no longer drafts keeps its way."""
+    from specchat.engine.decode.controller import Controller
+
+    monkeypatch.setattr(Controller, "FALLBACK_BELOW", 0.0)
     session = make(target)
     session._ahead_costs = costs_module.AheadCosts(
         costs_module.Costs(40.0, 0.0, verify_at={1: 1.2}), 40.0, 10.0, grid(0.0)
@@ -236,8 +241,8 @@ def test_a_turn_changes_way_and_stays_exact(
     threads = torch.get_num_threads()
     events = list(session.stream("Once upon a time", DecodeConfig(max_new_tokens=60)))
     reasons = [e.fallback_reason for e in events if isinstance(e, RoundEvent) and e.fallback_reason]
-    assert any(r.startswith("the draft drafts, then") for r in reasons)
-    assert any(r.startswith("the draft runs ahead") for r in reasons)
+    assert any(r.startswith("the draft runs ahead") for r in reasons), reasons
+    assert any(r.startswith("the draft drafts, then") for r in reasons), reasons
     assert session._ahead is not None and not session._ahead.running
     assert torch.get_num_threads() == threads
     plain = make(target)
