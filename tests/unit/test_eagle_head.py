@@ -323,6 +323,7 @@ def test_ctrl_c_while_collecting_keeps_what_was_collected(target, tmp_path: Path
     # Stopped at the sixth check, before the sixth held-out prompt: the five replies asked
     # before it are kept, and no training prompt was asked yet.
     assert calls["n"] == 6 and held == 5 and len(seqs) == held and state["asked"] == 0
+    assert all(q.reply for q in seqs)
     said: list[str] = []
     more = collect(tgt, opts, tmp_path, budget, lambda _e: None, said.append, lambda: False)
     assert len(more) > len(seqs) and any("resuming" in s for s in said)
@@ -333,6 +334,25 @@ def test_ctrl_c_while_collecting_keeps_what_was_collected(target, tmp_path: Path
     with pytest.raises(ValueError, match="no data collected before"):
         collect(tgt, TrainOptions(**{**vars(opts), "collect": False}), tmp_path / "empty", budget,
                 lambda _e: None, said.append, lambda: False)  # fmt: skip
+
+
+def test_replies_are_drawn_reply_weight_times_as_often_and_old_data_says_which() -> None:
+    """One reply among seven sequences: weight 6 draws it 6/12 of the time, weight 1 1/7.
+    12,000 draws each (seed 0): a share's binomial sd is at most 0.005, the bound 0.02."""
+    import random as _random
+
+    from specchat.engine.tools.train_draft import _mark_replies, sampler
+
+    seqs = [Sequence([1, 2], 1, reply=True)] + [Sequence([1, 2], 1) for _ in range(6)]
+    for weight, share in ((6.0, 0.5), (1.0, 1 / 7)):
+        draw = sampler(seqs, weight, _random.Random(0))
+        drawn = sum(draw() is seqs[0] for _ in range(12_000)) / 12_000
+        assert abs(drawn - share) < 0.02, (weight, drawn)
+    # data.pt from before sequences were marked: held out first, then one training reply
+    # per prompt asked, then the answers
+    rows = [{"held_out": h} for h in (True, True, False, False, False)]
+    _mark_replies(rows, asked=2)
+    assert [r["reply"] for r in rows] == [True, True, True, True, False]
 
 
 def test_validation_counts_every_chain_as_one_chain_at_a_time_would(trained) -> None:

@@ -53,6 +53,14 @@ def add_parser(sub: Any) -> None:
         "--reply-tokens", type=int, default=128, help="tokens of each target reply (default 128)"
     )
     p.add_argument(
+        "--reply-weight",
+        type=float,
+        default=1.0,
+        metavar="W",
+        help="a training step draws a target reply W times as often as a standard-library "
+        "answer (default 1)",
+    )
+    p.add_argument(
         "--no-collect",
         dest="collect",
         action="store_false",
@@ -75,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
         return common.fail(f"--minutes must be > 0, got {args.minutes}")
     if not 0 <= args.decay <= 1:
         return common.fail(f"--decay must be between 0 and 1, got {args.decay}")
+    if args.reply_weight <= 0:
+        return common.fail(f"--reply-weight must be > 0, got {args.reply_weight}")
     if args.head_vocab < 1:
         return common.fail(f"--head-vocab must be >= 1, got {args.head_vocab}")
     last: dict[str, str] = {}
@@ -111,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
                 lr=args.lr,
                 decay=args.decay,
                 reply_tokens=args.reply_tokens,
+                reply_weight=args.reply_weight,
                 collect=args.collect,
                 seed=args.seed,
                 out=args.out,
