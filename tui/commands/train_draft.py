@@ -55,10 +55,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--reply-weight",
         type=float,
-        default=1.0,
+        default=6.0,
         metavar="W",
         help="a training step draws a target reply W times as often as a standard-library "
-        "answer (default 1)",
+        "answer (default 6)",
     )
     p.add_argument(
         "--no-collect",
