@@ -85,7 +85,7 @@ class TrainOptions:
     # answer: the replies are what the head must predict, yet a minority of the tokens.
     # On the same data and minutes, 6 against 1 lifted held-out first-draft acceptance
     # 0.19 -> 0.23 (seed 0, 48 training replies) and 0.21 -> 0.24 (seed 1, 126;
-    # docs/draft-head.md, "Replies drawn more often").
+    # docs/draft-head.md, "More target replies, drawn more often").
     reply_weight: float = 6.0
     max_steps: int | None = None  # tests: stop after this many optimizer steps
     max_texts: int = 4000  # standard-library answers at most
