@@ -179,14 +179,17 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d_in, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, c.hidden_size, bias=False)
 
-    def project(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        """x [S, 2H] -> q [Hq, S, D], k and v [Hkv, S, D], rotary applied to q and k."""
+    def project(
+        self, x: Tensor, rope: tuple[Tensor, Tensor], q_from: int = 0
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """x [S, 2H] -> q [Hq, S - q_from, D] (the rows from q_from), k and v [Hkv, S, D],
+        rotary applied to q and k."""
         s = x.shape[0]
-        q = self.q_proj(x).view(s, self.heads, self.head_dim).transpose(0, 1)
+        q = self.q_proj(x[q_from:]).view(s - q_from, self.heads, self.head_dim).transpose(0, 1)
         k = self.k_proj(x).view(s, self.kv_heads, self.head_dim).transpose(0, 1)
         v = self.v_proj(x).view(s, self.kv_heads, self.head_dim).transpose(0, 1)
         cos, sin = rope  # [S, D]
-        q = q * cos + _rotate_half(q) * sin
+        q = q * cos[q_from:] + _rotate_half(q) * sin[q_from:]
         k = k * cos + _rotate_half(k) * sin
         return q, k, v
 
@@ -324,9 +327,9 @@ class EagleHead(nn.Module):
         h = layer.finish(residual, layer.self_attn.attend(q, k_all, v_all, mask))
         return h, self.lm_head(self.norm(h))
 
-    def unrolled(self, embeds: Tensor, feats: Tensor, steps: int) -> list[Tensor]:
-        """Training-time test over one sequence: draft logits [S, Vd] for each of `steps`
-        unrolled draft steps.
+    def unrolled(self, embeds: Tensor, feats: Tensor, steps: int, first: int = 0) -> list[Tensor]:
+        """Training-time test over one sequence: for each of `steps` unrolled draft steps,
+        the draft logits of rows max(first, s) .. S-1 at step s ([S - max(first, s), Vd]).
 
         Row j of step 0 is the head's row at position j fed the target's features f_j
         and the next token's embedding (embeds [S, H], row j = embed(x_{j+1})).
@@ -334,32 +337,50 @@ class EagleHead(nn.Module):
         position j - s sees: the step-(s-1) output of row j - 1 as its hidden state,
         the target rows 0..j-s and the chain's rows of steps 1..s in its attention.
         Every step predicts x_{j+2} at row j (rows with j < s have no such chain).
+
+        Only what the rows asked for depend on is computed: step s runs rows
+        s + d .. S-1 (d = max(0, first - steps + 1): each feeds row j + 1 of the next
+        step), and the rows before them at step 0 only their keys and values (the
+        context later rows attend to). A chat's prompt is a quarter of a training
+        sequence, and no loss falls on it.
         """
         layer = self.layer
         attn = layer.self_attn
         s_len = embeds.shape[0]
         dev = embeds.device
+        d = max(0, first - steps + 1)
         positions = torch.arange(s_len, device=dev)
-        rope = self.rope(positions)
+        cos, sin = self.rope(positions)
         keys: list[Tensor] = []
         values: list[Tensor] = []
+        key_pos: list[Tensor] = []  # the positions of each step's keys
         out: list[Tensor] = []
         hidden = self.features(feats)  # [S, H]
-        i = positions[:, None]
-        j = positions[None, :]
         for s in range(steps):
-            x, residual = layer.inputs(embeds, hidden)
-            q, k, v = attn.project(x, rope)
+            lo = min(s + d, s_len)  # this step's first row
+            x, residual = layer.inputs(embeds[lo:] if s else embeds, hidden)
+            if s == 0:  # every row's keys, queries from lo
+                q, k, v = attn.project(x, (cos, sin), q_from=lo)
+                residual = residual[lo:]
+                key_pos.append(positions)
+            else:
+                q, k, v = attn.project(x, (cos[lo:], sin[lo:]))
+                key_pos.append(positions[lo:])
             keys.append(k)
             values.append(v)
+            i = positions[lo:, None]
             # Step 0's keys up to j - s; the key of step t (1..s) at position j - s + t.
-            blocks = [j <= i - s] + [j == i - s + t for t in range(1, s + 1)]
-            mask = torch.cat(blocks, dim=1)  # [S, (s+1) S]
+            blocks = [key_pos[0][None, :] <= i - s] + [
+                key_pos[t][None, :] == i - s + t for t in range(1, s + 1)
+            ]
+            mask = torch.cat(blocks, dim=1)  # [S - lo, keys so far]
             h = layer.finish(
                 residual, attn.attend(q, torch.cat(keys, dim=1), torch.cat(values, dim=1), mask)
             )
-            out.append(self.lm_head(self.norm(h)))
-            hidden = torch.cat([h[:1] * 0, h[:-1]], dim=0)  # row j takes row j-1's output
+            asked = max(first, s) - lo  # the rows asked for, within this step's
+            out.append(self.lm_head(self.norm(h[asked:])))
+            # Row j of the next step takes row j - 1's output: rows lo .. S-2 for lo+1 .. S-1.
+            hidden = h[:-1]
         return out
 
     def parameter_count(self) -> int:

@@ -80,7 +80,32 @@ def test_unrolled_training_pass_scores_each_step_as_the_decoding_chain_does(targ
     state = out[-1:]
     for i in range(1, 4):
         state, logits = head.step(embeds[m + i : m + i + 1], state, cache)
-        torch.testing.assert_close(logits[0], steps[i][m + i], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits[0], steps[i][m], rtol=1e-5, atol=1e-5)  # from row i
+
+
+@pytest.mark.parametrize("first", [0, 1, 2, 5, 41, 79])
+def test_unrolled_rows_asked_for_score_as_the_whole_pass_does(target, first: int) -> None:
+    """Training computes only what the loss rows depend on (a prompt's rows give keys and
+    values alone): those rows' logits, and the gradients through them, must be the ones a
+    pass over every row gives."""
+    head = random_head(target).requires_grad_(True)
+    torch.manual_seed(1)
+    s, steps = 80, 3
+    feats = torch.randn(s, head.fc.in_features)
+    embeds = torch.randn(s, head.config.hidden_size)
+    whole = head.unrolled(embeds, feats, steps)  # step t: rows t..
+    asked = head.unrolled(embeds, feats, steps, first)
+    for t in range(steps):
+        assert asked[t].shape[0] == s - max(first, t)
+        torch.testing.assert_close(asked[t], whole[t][max(first, t) - t :], rtol=1e-5, atol=1e-5)
+    grads = []
+    for outs, cut in ((whole, lambda t: max(first, t) - t), (asked, lambda t: 0)):
+        head.zero_grad()
+        sum(o[cut(t) :].square().mean() for t, o in enumerate(outs)).backward(retain_graph=True)
+        grads.append({n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_runner_hands_over_features_equal_to_transformers_hidden_states(target) -> None:
@@ -373,7 +398,7 @@ def test_validation_counts_every_chain_as_one_chain_at_a_time_would(trained) -> 
             for m in range(max(seq.start - 2, 0), len(ids) - 1 - k):
                 ok = True
                 for i in range(k):
-                    ok = ok and int(outs[i][m + i].argmax()) == int(greedy[m + i])
+                    ok = ok and int(outs[i][m].argmax()) == int(greedy[m + i])  # from row i
                     reach[i] += ok
                 chains += 1
     got = validate(head, embed, held, k)
