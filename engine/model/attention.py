@@ -213,3 +213,23 @@ def use_rowwise_attention(model: PreTrainedModel) -> bool:
         if isinstance(config, PretrainedConfig) and config is not model.config:
             config._attn_implementation = NAME
     return True
+
+
+@contextlib.contextmanager
+def padded_batches(model: PreTrainedModel) -> Iterator[None]:
+    """Inside, the model attends as transformers' SDPA does, with the padding mask: for a
+    batch of sequences of several lengths (train-draft's replies), which the row-wise
+    path, made for one sequence, does not take. The path each config had is put back."""
+    configs = [model.config] + [
+        c for m in model.modules()
+        if isinstance(c := getattr(m, "config", None), PretrainedConfig) and c is not model.config
+    ]
+    before = [c._attn_implementation for c in configs]
+    try:
+        for c in configs:
+            if c._attn_implementation == NAME:
+                c._attn_implementation = "sdpa"
+        yield
+    finally:
+        for c, impl in zip(configs, before, strict=True):
+            c._attn_implementation = impl

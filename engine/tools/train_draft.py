@@ -44,9 +44,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from transformers import StoppingCriteria
 
 from ..config import DecodeConfig, Mode
 from ..decode.costs import measure_head_cost
+from ..decode.text import render_chat
 from ..events import LoadProgress, TokenEvent
 from ..model import cpu
 from ..model.eagle import EagleHead, HeadConfig, init_head
@@ -155,6 +157,64 @@ def target_replies(
         yield Sequence(ids + reply, len(ids), held_out, reply=True) if reply else None
 
 
+# Prompts decoded together for the training replies. A decode step of 16 rows costs ~4.6
+# one-row steps of the 1.5B through transformers' modules on a Zen 3 (AVX2, 2 threads:
+# 252 against 55 ms; 24 rows 335 ms), and a padded prompt pass costs what its rows do.
+REPLY_BATCH = 16
+
+
+def batched_replies(
+    target: LoadedModel, prompts: list[str], tokens: int, deadline: float, report: Progress,
+    stopped: Callable[[], bool] = lambda: False, batch: int = REPLY_BATCH,
+) -> Iterator[Sequence | None]:
+    """The target's greedy replies to `batch` prompts at a time (left-padded, through
+    transformers' generate): one item per prompt asked, in order, as `target_replies`.
+
+    For training only: a padded batch's arithmetic is not the chat's, so a reply may leave
+    the chat's greedy path at a near-tie (of two compared, at tokens 23 and 38 of 64) and
+    go on as the target would from there. The held-out replies, which validation reads as
+    the chat's greedy tokens, come from `target_replies`."""
+    from ..model.attention import padded_batches
+
+    tok, model = target.tokenizer, target.model
+    stops = sorted(target.eos_ids)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (stops[0] if stops else 0)
+    halt = _Halt(deadline, stopped)
+    for first in range(0, len(prompts), batch):
+        if halt.now():
+            return
+        chunk = [render_chat(tok, [{"role": "user", "content": p}]) for p in prompts[first : first + batch]]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[pad] * (width - len(c)) + c for c in chunk], device=target.device)
+        mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in chunk], device=target.device)
+        with padded_batches(model), torch.inference_mode():
+            out = model.generate(  # type: ignore[operator]
+                input_ids=ids, attention_mask=mask, max_new_tokens=tokens, do_sample=False,
+                pad_token_id=pad, eos_token_id=stops or None, stopping_criteria=[halt],
+            )
+        for n, prompt_ids in enumerate(chunk):
+            reply = out[n, width:].tolist()
+            end = next((i + 1 for i, t in enumerate(reply) if t in target.eos_ids), len(reply))
+            report(LoadProgress("replies", first + n + 1, len(prompts), detail=f"{len(chunk)} at a time"))
+            yield Sequence(prompt_ids + reply[:end], len(prompt_ids), reply=True) if end else None
+        if halt.fired:  # the deadline cut this batch's replies short: they stand as they are
+            return
+
+
+class _Halt(StoppingCriteria):
+    """A stopping criterion for generate: the deadline passed, or the user stopped."""
+
+    def __init__(self, deadline: float, stopped: Callable[[], bool]) -> None:
+        self.deadline, self.stopped, self.fired = deadline, stopped, False
+
+    def now(self) -> bool:
+        self.fired = self.fired or time.monotonic() > self.deadline or self.stopped()
+        return self.fired
+
+    def __call__(self, input_ids: Tensor, scores: Tensor, **_: Any) -> Tensor:  # type: ignore[override]
+        return torch.full((input_ids.shape[0],), self.now(), dtype=torch.bool, device=input_ids.device)
+
+
 def stdlib_answers(limit: int, seed: int) -> list[tuple[str, str]]:
     """(question, answer) pairs from the docstrings of the Python standard library."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -183,8 +243,6 @@ def stdlib_answers(limit: int, seed: int) -> list[tuple[str, str]]:
 
 def text_sequence(target: LoadedModel, pair: tuple[str, str], max_len: int) -> Sequence | None:
     """A question and its answer in the chat template; None where nothing is left to learn."""
-    from ..decode.text import render_chat
-
     tok = target.tokenizer
     ids = render_chat(tok, [{"role": "user", "content": pair[0]}])
     reply = list(tok(pair[1], add_special_tokens=False)["input_ids"])
@@ -489,7 +547,7 @@ def collect(
                 if q is not None:
                     add(q)
         todo = train_prompts[state["asked"] :]
-        for q in target_replies(target, todo, opts.reply_tokens, budget.at(0.3), report, False, stopped):
+        for q in batched_replies(target, todo, opts.reply_tokens, budget.at(0.3), report, stopped):
             state["asked"] += 1
             if q is not None:
                 add(q)

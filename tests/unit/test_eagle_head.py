@@ -322,6 +322,33 @@ def test_a_broken_head_in_the_cache_is_a_note_not_a_failed_start(target, tmp_pat
         load_draft_head(str(folder), tgt, tmp_path)
 
 
+def test_batched_replies_are_the_chats_greedy_replies_in_the_prompts_order(target, monkeypatch) -> None:
+    """Training replies are decoded several prompts at a time, left-padded: on a float32
+    model (no near-tie to flip) each is the reply the chat gives the prompt alone, eos
+    included, in the prompts' order, one item per prompt; the rows the batch padded and
+    the attention path the model had are as before; a deadline already passed asks nothing."""
+    import time as _time
+
+    from specchat.engine.tools.train_draft import batched_replies, target_replies
+
+    tgt = loaded(target, tokenizer=chatml_tokenizer())
+    prompts = ["one two", "three four one two three four", "two", "four three two one", "one"]
+    first = next(target_replies(tgt, prompts[1:2], 12, _time.monotonic() + 600, lambda _e: None, False))
+    assert first is not None
+    # A token of that reply ends replies: some stop of themselves, mid-batch.
+    monkeypatch.setattr(type(tgt), "eos_ids", property(lambda _s: frozenset({first.ids[first.start + 5]})))
+    alone = list(target_replies(tgt, prompts, 12, _time.monotonic() + 600, lambda _e: None, False))
+    impl = target.config._attn_implementation
+    together = list(batched_replies(tgt, prompts, 12, _time.monotonic() + 600, lambda _e: None, batch=2))
+    assert target.config._attn_implementation == impl
+    assert len(together) == len(prompts) and all(q is not None for q in alone)
+    for a, b in zip(alone, together, strict=True):
+        assert b is not None and a is not None
+        assert (b.ids, b.start, b.reply, b.held_out) == (a.ids, a.start, True, False)
+    assert any(q.ids[-1] in tgt.eos_ids for q in alone)  # some stopped of themselves
+    assert not list(batched_replies(tgt, prompts, 12, _time.monotonic() - 1, lambda _e: None))
+
+
 def test_ctrl_c_while_collecting_keeps_what_was_collected(target, tmp_path: Path) -> None:
     """A KeyboardInterrupt in the middle of the replies (raised where the run checks for
     a stop) leaves data.pt with the replies featurized so far; the next run asks on."""
