@@ -546,8 +546,10 @@ def collect(
             for q in target_replies(target, held_prompts, opts.reply_tokens, budget.at(0.1), report, True, stopped):
                 if q is not None:
                     add(q)
+        # Up to 40% of the time (held-out ones included): the replies lifted acceptance more
+        # than the answers did (docs/draft-head.md, "More target replies, drawn more often").
         todo = train_prompts[state["asked"] :]
-        for q in batched_replies(target, todo, opts.reply_tokens, budget.at(0.3), report, stopped):
+        for q in batched_replies(target, todo, opts.reply_tokens, budget.at(0.4), report, stopped):
             state["asked"] += 1
             if q is not None:
                 add(q)
