@@ -325,8 +325,8 @@ def test_a_broken_head_in_the_cache_is_a_note_not_a_failed_start(target, tmp_pat
 def test_batched_replies_are_the_chats_greedy_replies_in_the_prompts_order(target, monkeypatch) -> None:
     """Training replies are decoded several prompts at a time, left-padded: on a float32
     model (no near-tie to flip) each is the reply the chat gives the prompt alone, eos
-    included, in the prompts' order, one item per prompt; the rows the batch padded and
-    the attention path the model had are as before; a deadline already passed asks nothing."""
+    included, in the prompts' order, one item per prompt; the model's attention path is
+    put back after; a deadline already passed asks nothing."""
     import time as _time
 
     from specchat.engine.tools.train_draft import batched_replies, target_replies
