@@ -432,3 +432,17 @@ def test_validation_counts_every_chain_as_one_chain_at_a_time_would(trained) -> 
     assert got["chains"] == chains > 0
     assert got["mean_accepted"][k] == pytest.approx(float(reach.sum()) / chains)
     assert got["acceptance_by_position"][0] == pytest.approx(float(reach[0]) / chains)
+
+
+def test_train_draft_cli_defaults_are_the_training_defaults() -> None:
+    """The command's parser is built without torch (a cheap start), so it repeats
+    TrainOptions' defaults: they must not drift apart."""
+    from specchat.tui.cli import build_parser
+
+    args = build_parser().parse_args(["train-draft"])
+    opts = TrainOptions()
+    got = (args.minutes, args.head_vocab, args.intermediate, args.lr, args.decay,
+           args.reply_tokens, args.reply_weight, args.seed, args.collect)
+    want = (opts.minutes, opts.draft_vocab, opts.intermediate, opts.lr, opts.decay,
+            opts.reply_tokens, opts.reply_weight, opts.seed, opts.collect)
+    assert got == want
