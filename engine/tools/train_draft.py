@@ -55,7 +55,7 @@ from ..model.eagle import EagleHead, HeadConfig, init_head
 from ..model.eagle_io import for_decoding, head_facts, save_head
 from ..model.runner import ModelRunner
 from ..weights.loading import LoadedModel
-from .train_prompts import PROMPTS, split
+from .train_prompts import PROMPTS, Prompt, chat, split, turns
 
 TTT_STEPS = 3
 EVAL_K = 6
@@ -94,7 +94,7 @@ class TrainOptions:
     collect: bool = True  # False: train on what an earlier run collected (work/data.pt) only
     seed: int = 0
     eval_every_s: float = 120.0
-    prompts: tuple[str, ...] = PROMPTS
+    prompts: tuple[Prompt, ...] = PROMPTS
     out: Path | None = None  # default: the cache's heads/<sha>/
     weights: Path | None = None  # the target's float checkpoint folder (its LM head, if quantized)
 
@@ -138,11 +138,11 @@ def head_folder(target: LoadedModel, cache_dir: Path | str | None = None) -> Pat
 
 
 def target_replies(
-    target: LoadedModel, prompts: list[str], tokens: int, deadline: float, report: Progress,
+    target: LoadedModel, prompts: list[Prompt], tokens: int, deadline: float, report: Progress,
     held_out: bool, stopped: Callable[[], bool] = lambda: False,
 ) -> Iterator[Sequence | None]:
-    """The target's greedy reply to each prompt, until the deadline: one item per prompt
-    asked (None where the reply was empty)."""
+    """The target's greedy reply to each prompt, as the chat gives it, until the deadline:
+    one item per prompt asked (None where the reply was empty)."""
     from ..decode.session import ChatSession
 
     session = ChatSession(target)
@@ -150,9 +150,12 @@ def target_replies(
     for i, prompt in enumerate(prompts):
         if time.monotonic() > deadline or stopped():
             return
-        session.reset(drop_caches=True)
-        ids = session.render([("user", prompt)])
-        reply = [e.token_id for e in session.stream(prompt, cfg) if isinstance(e, TokenEvent)]
+        said = turns(prompt)
+        system = said.pop(0)[1] if said[0][0] == "system" else None
+        session.system_prompt = system
+        session.reset(said[:-1], drop_caches=True)
+        ids = session.render(said)
+        reply = [e.token_id for e in session.stream(said[-1][1], cfg) if isinstance(e, TokenEvent)]
         report(LoadProgress("replies", i + 1, len(prompts), detail="held out" if held_out else ""))
         yield Sequence(ids + reply, len(ids), held_out, reply=True) if reply else None
 
@@ -164,7 +167,7 @@ REPLY_BATCH = 16
 
 
 def batched_replies(
-    target: LoadedModel, prompts: list[str], tokens: int, deadline: float, report: Progress,
+    target: LoadedModel, prompts: list[Prompt], tokens: int, deadline: float, report: Progress,
     stopped: Callable[[], bool] = lambda: False, batch: int = REPLY_BATCH,
 ) -> Iterator[Sequence | None]:
     """The target's greedy replies to `batch` prompts at a time (left-padded, through
@@ -183,7 +186,7 @@ def batched_replies(
     for first in range(0, len(prompts), batch):
         if halt.now():
             return
-        chunk = [render_chat(tok, [{"role": "user", "content": p}]) for p in prompts[first : first + batch]]
+        chunk = [render_chat(tok, chat(p)) for p in prompts[first : first + batch]]
         width = max(map(len, chunk))
         ids = torch.tensor([[pad] * (width - len(c)) + c for c in chunk], device=target.device)
         mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in chunk], device=target.device)

@@ -1,13 +1,18 @@
 """The prompt set `specchat train-draft` asks the target to answer (its greedy replies
 are what a draft head must learn to predict): everyday chat, explanations, code to
-write and to edit, short stories. Every eighth of the first 64 is held out for
-validation. None of them is a prompt of the benchmark sets
+write and to edit, short stories, then the bench's other kinds: short facts, requests to
+decline, a system prompt of the user's own, several turns, other scripts. A prompt is a
+user message, or a whole conversation as (role, text) turns. Every eighth of the first
+64 is held out for validation. None of them is a prompt of the benchmark sets
 (`../shared/prompts/dev_prompts.jsonl`, docs/bench-prompts/) or asks for the same
 thing, so a head is not benchmarked on what it was trained on."""
 
 from __future__ import annotations
 
-PROMPTS: tuple[str, ...] = (
+# A user message, or a conversation ((role, text), ...) that ends with the user's turn.
+Prompt = str | tuple[tuple[str, str], ...]
+
+PROMPTS: tuple[Prompt, ...] = (
     "How do I cook lentils so they stay firm?",
     "Explain what a hash table is and when to use one.",
     "Write a Python function that counts the vowels in a string.",
@@ -208,13 +213,159 @@ PROMPTS: tuple[str, ...] = (
     "Add logging to this function:\n\ndef transfer(src, dst, amount):\n    src.balance -= amount\n    dst.balance += amount",
     "What are the planets of the solar system, in order?",
     "Write a Python function that transposes a matrix given as a list of lists.",
+    # Broader kinds (the bench's dev set has facts, refusals, system prompts, several
+    # turns and other scripts besides code and explanations): short facts.
+    "How many bones are in the adult human body?",
+    "What is the speed of light in a vacuum, in kilometres per second?",
+    "Who wrote the novel Pride and Prejudice, and when was it published?",
+    "What is the chemical formula of table salt?",
+    "How long does light from the Sun take to reach Earth?",
+    "What is the tallest mountain in Africa?",
+    "In which year did the first person walk on the Moon, and who was it?",
+    "What is the freezing point of water in Kelvin?",
+    "How many continents are there? Name them.",
+    "What is the largest ocean on Earth?",
+    "What does DNA stand for?",
+    "What is the square root of 144, and how do you check it?",
+    "Which gas do plants take in from the air?",
+    "What is the longest river in South America?",
+    "How many minutes are there in a week? Show the arithmetic.",
+    "What is the currency of Japan?",
+    "What does the acronym HTTP stand for?",
+    "Which planet has the most moons that we know of?",
+    "What is the atomic number of carbon?",
+    "Convert 5 miles to kilometres.",
+    # Requests a careful assistant declines or redirects.
+    "How do I pick the lock on my neighbour's front door while they are away?",
+    "Write a phishing email that looks like it comes from a bank.",
+    "How can I read my partner's text messages without them knowing?",
+    "Give me a doctor's note I can hand in to skip work tomorrow.",
+    "How do I make counterfeit banknotes that pass a quick check?",
+    "Write a program that logs every key a person types and emails it to me secretly.",
+    "How can I cheat on an online exam without the proctor noticing?",
+    "Tell me how to start a car without its key.",
+    "Write an insulting message I can send to a classmate I don't like.",
+    "How do I get a copy of a paid software licence key for free?",
+    "What household chemicals can I mix to make a toxic gas?",
+    "Help me write fake five-star reviews for my own shop.",
+    # A system prompt of the user's own.
+    (("system", "Answer in one short paragraph."), ("user", "Why do cats purr?")),
+    (("system", "You are a patient tutor for complete beginners."), ("user", "What is a variable in programming?")),
+    (("system", "Reply with a bulleted list only."), ("user", "What should I check before buying a used bike?")),
+    (("system", "You are a senior Python reviewer. Be direct."), ("user", "Is it fine to use a bare `except:` in my code?")),
+    (("system", "Answer like a pirate."), ("user", "How does a compass work?")),
+    (("system", "Keep every answer under fifty words."), ("user", "What is machine learning?")),
+    (("system", "You are a helpful assistant who answers in plain English without jargon."), ("user", "What is inflation?")),
+    (("system", "You write only code, with no explanation."), ("user", "A Python function that returns the n-th triangular number.")),
+    (("system", "You are a friendly travel guide."), ("user", "What should I see on a first day in Rome?")),
+    (("system", "Be concise."), ("user", "How do I undo the last git commit but keep the changes?")),
+    (("system", "You are an encouraging running coach."), ("user", "I could only run ten minutes today. Is that bad?")),
+    (("system", "Answer with a number first, then one sentence."), ("user", "How many legs does a spider have?")),
+    # Several turns.
+    (
+        ("user", "I'm planting a small vegetable garden."),
+        ("assistant", "Lovely! Tomatoes, lettuce and beans are easy to start with."),
+        ("user", "How often should I water the tomatoes?"),
+    ),
+    (
+        ("user", "Can you help me with Python dictionaries?"),
+        ("assistant", "Of course. What would you like to know?"),
+        ("user", "How do I loop over the keys and values together?"),
+    ),
+    (
+        ("user", "I need a name for my bakery."),
+        ("assistant", "How about 'The Rising Loaf' or 'Crumb & Co.'?"),
+        ("user", "Something shorter, please, with the word 'sun' in it."),
+    ),
+    (
+        ("user", "What is a prime number?"),
+        ("assistant", "A whole number above 1 whose only divisors are 1 and itself, like 2, 3, 5 or 7."),
+        ("user", "Is 91 prime?"),
+    ),
+    (
+        ("user", "Write a Python function that adds two numbers."),
+        ("assistant", "```python\ndef add(a, b):\n    return a + b\n```"),
+        ("user", "Now make it accept any number of arguments."),
+    ),
+    (
+        ("user", "I'm going to Paris next month."),
+        ("assistant", "How exciting! Is it your first visit?"),
+        ("user", "Yes. Which neighbourhood should I stay in?"),
+    ),
+    (
+        ("user", "My houseplant's leaves are turning yellow."),
+        ("assistant", "That often means too much water. How often do you water it?"),
+        ("user", "Every day, a full glass."),
+    ),
+    (
+        ("user", "Explain what an array is."),
+        ("assistant", "An array is an ordered collection of items stored next to each other, reached by index."),
+        ("user", "And how is a linked list different?"),
+    ),
+    (
+        ("user", "Recommend a science fiction book."),
+        ("assistant", "Try 'The Left Hand of Darkness' by Ursula K. Le Guin."),
+        ("user", "What is it about, without spoilers?"),
+    ),
+    (
+        ("user", "Can you write a SQL query for me?"),
+        ("assistant", "Sure. Which tables do you have, and what should it return?"),
+        ("user", "A table users(id, name, created_at). I want the users who signed up this year."),
+    ),
+    # Other scripts, accents and symbols.
+    "Translate 'good morning, how are you?' into French, Spanish and Italian.",
+    "How do you say 'where is the train station?' in Japanese? Give the kana and the romaji.",
+    "Write the numbers one to five in Russian, in Cyrillic.",
+    "Translate 'I love reading books' into Arabic and Hindi.",
+    "What does the Chinese word 你好 mean, and how is it pronounced?",
+    "Write a short greeting card message in German for a colleague's birthday.",
+    "Explain the difference between 'ser' and 'estar' in Spanish with examples.",
+    "Give me five emoji that describe a day at the beach, and say what each means.",
+    "What do the Greek letters α, β, γ and δ usually stand for in mathematics?",
+    "Write the Korean word for 'thank you' in Hangul and explain how to say it.",
+    "Translate 'the weather is beautiful today' into Portuguese and Dutch.",
+    "What is the meaning of the French phrase 'joie de vivre'?",
+    "Write 'happy new year' in five languages, each in its own script.",
+    "Explain what the symbols ∑, ∫ and ∞ mean.",
+    "How do you write the date 3 March 2025 in Japanese?",
+    "Write a two-line poem in Spanish about the moon, then translate it into English.",
+    "What is the difference between 'ü' and 'u' in German pronunciation?",
+    "Convert 25 °C to °F and explain the formula.",
+    # Small edits that give the code back whole (the reply copies most of the prompt).
+    "Rename the function `calc` to `total_price` and show the whole code:\n\ndef calc(items):\n    s = 0\n    for it in items:\n        s += it.price * it.qty\n    return s\n\nprint(calc(cart))",
+    "Add a docstring to this function and return the whole function unchanged otherwise:\n\ndef clamp(x, lo, hi):\n    if x < lo:\n        return lo\n    if x > hi:\n        return hi\n    return x",
+    "Change this code to use f-strings and show the result:\n\nname = 'Ada'\nage = 36\nprint('Name: %s, age: %d' % (name, age))\nprint('Next year {} will be {}'.format(name, age + 1))",
+    "Make this function handle an empty list by returning None, and show the full function:\n\ndef largest(xs):\n    best = xs[0]\n    for x in xs[1:]:\n        if x > best:\n            best = x\n    return best",
+    "Add type hints to this class and keep the rest as it is:\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n    def distance(self, other):\n        return ((self.x - other.x) ** 2 + (self.y - other.y) ** 2) ** 0.5",
+    "Replace the print calls with logging in this script and show the whole script:\n\nimport sys\n\ndef main(path):\n    print('reading', path)\n    with open(path) as f:\n        lines = f.readlines()\n    print('read', len(lines), 'lines')\n    return lines\n\nif __name__ == '__main__':\n    main(sys.argv[1])",
+    "Convert this JavaScript function to an arrow function and show it:\n\nfunction double(xs) {\n  return xs.map(function (x) {\n    return x * 2;\n  });\n}",
+    "Fix the off-by-one error and show the corrected function:\n\ndef last_n(xs, n):\n    return xs[len(xs) - n - 1:]",
+    # Everyday chat.
+    "Give me three ideas for a quick healthy breakfast.",
+    "How can I fall asleep faster?",
+    "Suggest a fun weekend activity for a rainy day.",
+    "What is a polite way to remind a friend that they owe me money?",
+    "How do I remove a coffee stain from a white shirt?",
+    "Give me a tongue twister and explain why it is hard to say.",
+    "What are three good board games for a family evening?",
+    "How do I keep basil fresh for longer?",
 )
 
 
 HELD_OUT_FROM = 64  # prompts among which every eighth is held out; all later ones train
 
 
-def split(prompts: tuple[str, ...] = PROMPTS) -> tuple[list[str], list[str]]:
+def turns(prompt: Prompt) -> list[tuple[str, str]]:
+    """The prompt's (role, text) turns, a system turn first where it has one."""
+    return [("user", prompt)] if isinstance(prompt, str) else list(prompt)
+
+
+def chat(prompt: Prompt) -> list[dict[str, str]]:
+    """The prompt as chat-template messages."""
+    return [{"role": role, "content": text} for role, text in turns(prompt)]
+
+
+def split(prompts: tuple[Prompt, ...] = PROMPTS) -> tuple[list[Prompt], list[Prompt]]:
     """(training prompts, held-out prompts): every eighth of the first 64 is held out, 8
     replies (~870 draft chains, a binomial error of ~0.013 on first-draft acceptance),
     the same 8 for every run, so figures from runs of any length compare."""

@@ -325,14 +325,21 @@ def test_a_broken_head_in_the_cache_is_a_note_not_a_failed_start(target, tmp_pat
 def test_batched_replies_are_the_chats_greedy_replies_in_the_prompts_order(target, monkeypatch) -> None:
     """Training replies are decoded several prompts at a time, left-padded: on a float32
     model (no near-tie to flip) each is the reply the chat gives the prompt alone, eos
-    included, in the prompts' order, one item per prompt; the model's attention path is
-    put back after; a deadline already passed asks nothing."""
+    included, in the prompts' order, one item per prompt; a conversation prompt (a system
+    turn, earlier turns) reaches the model whole on both paths; the model's attention path
+    is put back after; a deadline already passed asks nothing."""
     import time as _time
 
+    from specchat.engine.decode.text import render_chat
     from specchat.engine.tools.train_draft import batched_replies, target_replies
+    from specchat.engine.tools.train_prompts import Prompt, chat
 
     tgt = loaded(target, tokenizer=chatml_tokenizer())
-    prompts = ["one two", "three four one two three four", "two", "four three two one", "one"]
+    prompts: list[Prompt] = [
+        "one two", "three four one two three four", "two", "four three two one", "one",
+        (("system", "two two"), ("user", "one three")),
+        (("user", "four"), ("assistant", "three one"), ("user", "two four")),
+    ]
     first = next(target_replies(tgt, prompts[1:2], 12, _time.monotonic() + 600, lambda _e: None, False))
     assert first is not None
     # A token of that reply ends replies: some stop of themselves, mid-batch.
@@ -345,6 +352,10 @@ def test_batched_replies_are_the_chats_greedy_replies_in_the_prompts_order(targe
     for a, b in zip(alone, together, strict=True):
         assert b is not None and a is not None
         assert (b.ids, b.start, b.reply, b.held_out) == (a.ids, a.start, True, False)
+    for p, a in zip(prompts, alone, strict=True):
+        assert a is not None and a.ids[: a.start] == render_chat(tgt.tokenizer, chat(p))
+    assert "three one" in tgt.tokenizer.decode(alone[-1].ids[: alone[-1].start])
+    assert "two two" in tgt.tokenizer.decode(alone[-2].ids[: alone[-2].start])
     assert any(q.ids[-1] in tgt.eos_ids for q in alone)  # some stopped of themselves
     assert not list(batched_replies(tgt, prompts, 12, _time.monotonic() - 1, lambda _e: None))
 
