@@ -540,7 +540,7 @@ def run_bench(
             },
             "hf_assistant": hf_assistant_settings(hf_session) if HF_ASSISTED in base else None,
             "hf_generation": hf_generation_config(
-                hf_session, cfg, cfg.max_new_tokens
+                hf_session.target, cfg, cfg.max_new_tokens
             ).to_diff_dict()
             if base
             else None,

@@ -27,6 +27,7 @@ from ..model import native
 
 if TYPE_CHECKING:
     from ..decode.session import ChatSession
+    from ..weights.loading import LoadedModel
     from .telemetry import Telemetry
 
 try:
@@ -545,13 +546,13 @@ class _ChunkTimer:
         pass
 
 
-def hf_generation_config(session: ChatSession, cfg: DecodeConfig, max_new_tokens: int) -> Any:
+def hf_generation_config(target: LoadedModel, cfg: DecodeConfig, max_new_tokens: int) -> Any:
     """Every setting that matters spelled out, so the checkpoint's defaults
-    (a repetition penalty, sampling) cannot change what the baseline does."""
+    (a repetition penalty, sampling) cannot change what `generate` does."""
     from transformers import GenerationConfig
 
-    eos = sorted(session.target.eos_ids)
-    pad = session.tokenizer.pad_token_id
+    eos = sorted(target.eos_ids)
+    pad = target.tokenizer.pad_token_id
     sampling = not cfg.greedy
     return GenerationConfig(
         max_new_tokens=max_new_tokens,
@@ -582,7 +583,7 @@ def run_hf_arm(
         rec.status, rec.error = "unavailable", "no draft model is loaded"
         return rec
     target: Any = session.target.model
-    gen_cfg = hf_generation_config(session, cfg, cfg.max_new_tokens)
+    gen_cfg = hf_generation_config(session.target, cfg, cfg.max_new_tokens)
     extra: dict[str, Any] = {}
     if arm == HF_ASSISTED:
         assert session.draft is not None

@@ -89,6 +89,9 @@ class TrainOptions:
     # 0.19 -> 0.23 (seed 0, 48 training replies) and 0.21 -> 0.24 (seed 1, 126;
     # docs/draft-head.md, "More target replies, drawn more often").
     reply_weight: float = 6.0
+    # Times the training prompts are asked at most: greedy first, then sampled rounds
+    # (SAMPLED_REPLIES). None: while the replies' share of the time lasts.
+    reply_rounds: int | None = None
     max_steps: int | None = None  # tests: stop after this many optimizer steps
     max_texts: int = 4000  # standard-library answers at most
     collect: bool = True  # False: train on what an earlier run collected (work/data.pt) only
@@ -104,7 +107,7 @@ class Sequence:
     ids: list[int]
     start: int  # first reply position (its token is predicted from position start - 1)
     held_out: bool = False
-    reply: bool = False  # the target's own greedy reply (else a standard-library answer)
+    reply: bool = False  # the target's own reply (else a standard-library answer)
     feats: Tensor | None = None  # [S, F] bfloat16: the residual stream entering the feature layers
     last: Tensor | None = None  # [S, H] bfloat16: the target's final normed hidden state
 
@@ -165,24 +168,35 @@ def target_replies(
 # 252 against 55 ms; 24 rows 335 ms), and a padded prompt pass costs what its rows do.
 REPLY_BATCH = 16
 
+# Once every training prompt has its greedy reply, later rounds (a longer run, or a run
+# resumed with more minutes) ask the prompts again and sample the replies, each round
+# with its own seed: new continuations on the target's likely paths, so a longer run
+# keeps finding data the head has not seen. The labels stay the target's distribution at
+# every position, whichever token was sampled there.
+SAMPLED_REPLIES = DecodeConfig(temperature=0.7, top_p=0.9)
+
 
 def batched_replies(
     target: LoadedModel, prompts: list[Prompt], tokens: int, deadline: float, report: Progress,
     stopped: Callable[[], bool] = lambda: False, batch: int = REPLY_BATCH,
+    seed: int | None = None,
 ) -> Iterator[Sequence | None]:
-    """The target's greedy replies to `batch` prompts at a time (left-padded, through
+    """The target's replies to `batch` prompts at a time (left-padded, through
     transformers' generate): one item per prompt asked, in order, as `target_replies`.
+    Greedy, or with a seed sampled at `SAMPLED_REPLIES` (the same seed, the same replies).
 
-    For training only: a padded batch's arithmetic is not the chat's, so a reply may leave
-    the chat's greedy path at a near-tie (2 of 4 replies of the 1.5B did, at tokens 58 and
-    63 of 128) and go on as the target would from there. The held-out replies, which validation reads as
-    the chat's greedy tokens, come from `target_replies`."""
+    For training only: a padded batch's arithmetic is not the chat's, so a greedy reply may
+    leave the chat's greedy path at a near-tie (2 of 4 replies of the 1.5B did, at tokens 58
+    and 63 of 128) and go on as the target would from there. The held-out replies, which
+    validation reads as the chat's greedy tokens, come from `target_replies`."""
     from ..model.attention import padded_batches
+    from .bench_runs import hf_generation_config
 
     tok, model = target.tokenizer, target.model
-    stops = sorted(target.eos_ids)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else (stops[0] if stops else 0)
+    cfg = hf_generation_config(target, SAMPLED_REPLIES if seed is not None else DecodeConfig(), tokens)
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
     halt = _Halt(deadline, stopped)
+    detail = f"{batch} at a time" + (f", sampled (seed {seed})" if seed is not None else "")
     for first in range(0, len(prompts), batch):
         if halt.now():
             return
@@ -190,15 +204,16 @@ def batched_replies(
         width = max(map(len, chunk))
         ids = torch.tensor([[pad] * (width - len(c)) + c for c in chunk], device=target.device)
         mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in chunk], device=target.device)
-        with padded_batches(model), torch.inference_mode():
+        with padded_batches(model), torch.inference_mode(), torch.random.fork_rng(devices=[]):
+            if seed is not None:
+                torch.manual_seed(seed * 1_000_003 + first)
             out = model.generate(  # type: ignore[operator]
-                input_ids=ids, attention_mask=mask, max_new_tokens=tokens, do_sample=False,
-                pad_token_id=pad, eos_token_id=stops or None, stopping_criteria=[halt],
+                input_ids=ids, attention_mask=mask, generation_config=cfg, stopping_criteria=[halt],
             )
         for n, prompt_ids in enumerate(chunk):
             reply = out[n, width:].tolist()
             end = next((i + 1 for i, t in enumerate(reply) if t in target.eos_ids), len(reply))
-            report(LoadProgress("replies", first + n + 1, len(prompts), detail=f"{len(chunk)} at a time"))
+            report(LoadProgress("replies", first + n + 1, len(prompts), detail=detail))
             yield Sequence(prompt_ids + reply[:end], len(prompt_ids), reply=True) if end else None
         if halt.fired:  # the deadline cut this batch's replies short: they stand as they are
             return
@@ -551,11 +566,20 @@ def collect(
                     add(q)
         # Up to 40% of the time (held-out ones included): the replies lifted acceptance more
         # than the answers did (docs/draft-head.md, "More target replies, drawn more often").
-        todo = train_prompts[state["asked"] :]
-        for q in batched_replies(target, todo, opts.reply_tokens, budget.at(0.4), report, stopped):
-            state["asked"] += 1
-            if q is not None:
-                add(q)
+        # Greedy replies first, then sampled rounds while the time lasts (SAMPLED_REPLIES).
+        while train_prompts and time.monotonic() < budget.at(0.4) and not stopped() and kept <= MAX_FEATURE_BYTES:
+            rounds, at = divmod(state["asked"], len(train_prompts))
+            if opts.reply_rounds is not None and rounds >= opts.reply_rounds:
+                break
+            seed = None if rounds == 0 else opts.seed * 1000 + rounds
+            for q in batched_replies(
+                target, train_prompts[at:], opts.reply_tokens, budget.at(0.4), report, stopped, seed=seed
+            ):
+                state["asked"] += 1
+                if q is not None:
+                    add(q)
+                if kept > MAX_FEATURE_BYTES:
+                    break
         pairs = stdlib_answers(opts.max_texts, opts.seed)[state["texts"] :]
         tell(f"features: up to {len(pairs)} standard-library answers through the target")
         for i, pair in enumerate(pairs):

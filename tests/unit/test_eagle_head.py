@@ -45,7 +45,7 @@ def trained(target, tmp_path_factory):  # type: ignore[no-untyped-def]
     folder = tmp_path_factory.mktemp("head")
     tgt = loaded(target, tokenizer=chatml_tokenizer())
     opts = TrainOptions(minutes=5, max_steps=60, reply_tokens=24, max_texts=30, draft_vocab=64,
-                        out=folder, eval_every_s=1e9, decay=0.2)
+                        out=folder, eval_every_s=1e9, decay=0.2, reply_rounds=1)
     return tgt, opts, train(tgt, opts)
 
 
@@ -360,15 +360,43 @@ def test_batched_replies_are_the_chats_greedy_replies_in_the_prompts_order(targe
     assert not list(batched_replies(tgt, prompts, 12, _time.monotonic() - 1, lambda _e: None))
 
 
+def test_sampled_replies_are_the_seeds_and_leave_the_global_generator_alone(target) -> None:
+    """Later rounds sample the replies: the same seed gives the same replies, another
+    seed others, the prompts stay as they are, and the caller's random state is untouched."""
+    import time as _time
+
+    from specchat.engine.decode.text import render_chat
+    from specchat.engine.tools.train_draft import batched_replies
+    from specchat.engine.tools.train_prompts import chat
+
+    tgt = loaded(target, tokenizer=chatml_tokenizer())
+    prompts = ["one two", "three four one two three four", "two", "four three two one", "one"]
+
+    def replies(seed: int | None) -> list[list[int]]:
+        got = batched_replies(tgt, prompts, 12, _time.monotonic() + 600, lambda _e: None, batch=2, seed=seed)
+        return [q.ids if q is not None else [] for q in got]
+
+    torch.manual_seed(7)
+    state = torch.get_rng_state()
+    greedy, first, again, other = replies(None), replies(1), replies(1), replies(2)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert first == again and first != other and first != greedy
+    for p, a in zip(prompts, first, strict=True):
+        asked = render_chat(tgt.tokenizer, chat(p))
+        assert a[: len(asked)] == asked and len(a) > len(asked)
+
+
 def test_ctrl_c_while_collecting_keeps_what_was_collected(target, tmp_path: Path) -> None:
     """A KeyboardInterrupt in the middle of the replies (raised where the run checks for
     a stop) leaves data.pt with the replies featurized so far; the next run asks on."""
     import time as _time
 
     from specchat.engine.tools.train_draft import Budget, _load_data, collect
+    from specchat.engine.tools.train_prompts import PROMPTS
 
     tgt = loaded(target, tokenizer=chatml_tokenizer())
-    opts = TrainOptions(reply_tokens=8, max_texts=4)
+    # 48 prompts: 6 held out, 42 to train on, asked twice (greedy, then sampled)
+    opts = TrainOptions(reply_tokens=8, max_texts=4, reply_rounds=2, prompts=PROMPTS[:48])
     calls = {"n": 0}
 
     def stop_after_five() -> bool:
@@ -390,6 +418,13 @@ def test_ctrl_c_while_collecting_keeps_what_was_collected(target, tmp_path: Path
     said: list[str] = []
     more = collect(tgt, opts, tmp_path, budget, lambda _e: None, said.append, lambda: False)
     assert len(more) > len(seqs) and any("resuming" in s for s in said)
+    # two rounds over the training prompts: the second asks each again, sampled
+    assert _load_data(tmp_path / "data.pt")[1]["asked"] == 2 * 42
+    replies = [q for q in more if q.reply and not q.held_out]
+    assert len(replies) == 2 * 42
+    greedy, sampled = replies[:42], replies[42:]
+    assert [q.ids[: q.start] for q in greedy] == [q.ids[: q.start] for q in sampled]
+    assert sum(a.ids != b.ids for a, b in zip(greedy, sampled, strict=True)) > 21
     # --no-collect: the data as it is, nothing asked of the target
     frozen = collect(tgt, TrainOptions(**{**vars(opts), "collect": False}), tmp_path, budget,
                      lambda _e: None, said.append, lambda: False)  # fmt: skip
@@ -453,7 +488,7 @@ def test_train_draft_cli_defaults_are_the_training_defaults() -> None:
     args = build_parser().parse_args(["train-draft"])
     opts = TrainOptions()
     got = (args.minutes, args.head_vocab, args.intermediate, args.lr, args.decay,
-           args.reply_tokens, args.reply_weight, args.seed, args.collect)
+           args.reply_tokens, args.reply_weight, args.reply_rounds, args.seed, args.collect)
     want = (opts.minutes, opts.draft_vocab, opts.intermediate, opts.lr, opts.decay,
-            opts.reply_tokens, opts.reply_weight, opts.seed, opts.collect)
+            opts.reply_tokens, opts.reply_weight, opts.reply_rounds, opts.seed, opts.collect)
     assert got == want

@@ -1,6 +1,7 @@
 """`specchat train-draft`: an EAGLE-3 draft head for a target, trained on this machine.
 
-Collects the target's own greedy replies to the shipped prompt set and
+Collects the target's own replies to the shipped prompt set (greedy, then
+sampled rounds while the time lasts) and
 answers from the Python standard library's docstrings, runs them through the
 target for its features and distributions, trains the head with EAGLE-3's
 training-time test within `--minutes`, validates it on held-out replies and
@@ -53,6 +54,14 @@ def add_parser(sub: Any) -> None:
         "--reply-tokens", type=int, default=128, help="tokens of each target reply (default 128)"
     )
     p.add_argument(
+        "--reply-rounds",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ask the prompts at most N times: greedy replies first, then replies sampled "
+        "with a new seed each round (default: while the replies' share of the time lasts)",
+    )
+    p.add_argument(
         "--reply-weight",
         type=float,
         default=6.0,
@@ -85,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
         return common.fail(f"--decay must be between 0 and 1, got {args.decay}")
     if args.reply_weight <= 0:
         return common.fail(f"--reply-weight must be > 0, got {args.reply_weight}")
+    if args.reply_rounds is not None and args.reply_rounds < 1:
+        return common.fail(f"--reply-rounds must be >= 1, got {args.reply_rounds}")
     if args.head_vocab < 1:
         return common.fail(f"--head-vocab must be >= 1, got {args.head_vocab}")
     last: dict[str, str] = {}
@@ -122,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
                 decay=args.decay,
                 reply_tokens=args.reply_tokens,
                 reply_weight=args.reply_weight,
+                reply_rounds=args.reply_rounds,
                 collect=args.collect,
                 seed=args.seed,
                 out=args.out,
