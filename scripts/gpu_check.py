@@ -252,6 +252,7 @@ def check_head(target_dir: Path, wide_dir: Path, device: torch.device, tokens: i
             minutes=3,
             max_steps=60,
             reply_tokens=24,
+            reply_rounds=1,  # greedy replies only: the device's minutes go to the checks
             max_texts=40,
             draft_vocab=256,
             out=Path(out),
@@ -641,6 +642,7 @@ def train_throughput(device: torch.device, tmp: Path, minutes: float) -> None:
     opts = TrainOptions(
         minutes=minutes,
         reply_tokens=32,
+        reply_rounds=1,  # greedy replies only: this section times features and training
         max_texts=400,
         out=tmp / "train-head",
         eval_every_s=1e9,
