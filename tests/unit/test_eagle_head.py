@@ -492,3 +492,22 @@ def test_train_draft_cli_defaults_are_the_training_defaults() -> None:
     want = (opts.minutes, opts.draft_vocab, opts.intermediate, opts.lr, opts.decay,
             opts.reply_tokens, opts.reply_weight, opts.reply_rounds, opts.seed, opts.collect)
     assert got == want
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--minutes", "0"], "--minutes must be > 0"),
+        (["--decay", "1.5"], "--decay must be between 0 and 1"),
+        (["--reply-weight", "0"], "--reply-weight must be > 0"),
+        (["--reply-rounds", "0"], "--reply-rounds must be >= 1"),
+        (["--head-vocab", "0"], "--head-vocab must be >= 1"),
+    ],
+)
+def test_train_draft_refuses_bad_flags_with_a_message_before_loading(flags, message, capsys) -> None:
+    """A bad flag is a line saying which and why, before any model loads."""
+    from specchat.tui.cli import main
+
+    assert main(["train-draft", *flags, "--target", "/nonexistent/model"]) != 0
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and "nonexistent" not in err
