@@ -346,6 +346,8 @@ def test_batched_replies_are_the_chats_greedy_replies_in_the_prompts_order(targe
     monkeypatch.setattr(type(tgt), "eos_ids", property(lambda _s: frozenset({first.ids[first.start + 5]})))
     alone = list(target_replies(tgt, prompts, 12, _time.monotonic() + 600, lambda _e: None, False))
     impl = target.config._attn_implementation
+    # a checkpoint's generation defaults do not change what greedy means here
+    monkeypatch.setattr(target.generation_config, "repetition_penalty", 3.0, raising=False)
     together = list(batched_replies(tgt, prompts, 12, _time.monotonic() + 600, lambda _e: None, batch=2))
     assert target.config._attn_implementation == impl
     assert len(together) == len(prompts) and all(q is not None for q in alone)
