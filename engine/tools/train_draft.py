@@ -92,6 +92,10 @@ class TrainOptions:
     # Times the training prompts are asked at most: greedy first, then sampled rounds
     # (SAMPLED_REPLIES). None: while the replies' share of the time lasts.
     reply_rounds: int | None = None
+    # Uniform noise on the target features a step trains on, as a share of each feature
+    # layer's RMS in that row (EAGLE-1's augmentation, scaled to the raw residual stream):
+    # a head that sees the same few hundred replies for an hour memorizes them.
+    feature_noise: float = 0.0
     max_steps: int | None = None  # tests: stop after this many optimizer steps
     max_texts: int = 4000  # standard-library answers at most
     collect: bool = True  # False: train on what an earlier run collected (work/data.pt) only
@@ -108,6 +112,7 @@ class Sequence:
     start: int  # first reply position (its token is predicted from position start - 1)
     held_out: bool = False
     reply: bool = False  # the target's own reply (else a standard-library answer)
+    sampled: bool = False  # a sampled reply (else greedy: validation can read it)
     feats: Tensor | None = None  # [S, F] bfloat16: the residual stream entering the feature layers
     last: Tensor | None = None  # [S, H] bfloat16: the target's final normed hidden state
 
@@ -214,7 +219,7 @@ def batched_replies(
             reply = out[n, width:].tolist()
             end = next((i + 1 for i, t in enumerate(reply) if t in target.eos_ids), len(reply))
             report(LoadProgress("replies", first + n + 1, len(prompts), detail=detail))
-            yield Sequence(prompt_ids + reply[:end], len(prompt_ids), reply=True) if end else None
+            yield Sequence(prompt_ids + reply[:end], len(prompt_ids), reply=True, sampled=seed is not None) if end else None
         if halt.fired:  # the deadline cut this batch's replies short: they stand as they are
             return
 
@@ -400,16 +405,19 @@ def autocast_dtype(device: torch.device) -> tuple[torch.dtype | None, str]:
 
 def sequence_loss(
     head: EagleHead, embed: torch.nn.Module, seq: Sequence, labels: Callable[[Tensor], Tensor],
-    steps: int,
+    steps: int, noise: float = 0.0,
 ) -> tuple[Tensor, int, list[float]]:
     """Forward KL to the target over the draft vocabulary (soft labels), summed over the
-    unrolled steps: (loss, labelled rows, top-1 agreement with the target per step)."""
+    unrolled steps: (loss, labelled rows, top-1 agreement with the target per step).
+    `noise`: the features get uniform noise of that share of their RMS (`noisy`)."""
     assert seq.feats is not None and seq.last is not None
     dev = head.norm.weight.device
     s = len(seq.ids)
     ids = torch.tensor(seq.ids, device=dev)
     embeds = embed(ids[1:]).float()  # row j: x_{j+1}
     feats = seq.feats[: s - 1].to(dev).float()  # row j: f_j
+    if noise > 0:
+        feats = noisy(feats, len(head.config.aux_layers), noise)
     # Row j predicts x_{j+2}: the target's distribution at position j + 1, in float32.
     with torch.no_grad(), torch.autocast(dev.type, enabled=False):
         target_logits = labels(seq.last[1:].to(dev))  # [S-1, Vd]
@@ -430,6 +438,15 @@ def sequence_loss(
         agree.append(float((logits.argmax(-1) == best[rows]).float().mean()))
         n_rows = max(n_rows, logits.shape[0])
     return total, n_rows, agree
+
+
+def noisy(feats: Tensor, layers: int, share: float) -> Tensor:
+    """feats [S, layers * H] plus uniform noise in +-share x the RMS of each row's slice
+    of each layer: the residual stream's scale grows with depth, so one absolute width
+    would drown the low layer's features and leave the high layer's untouched."""
+    f = feats.view(feats.shape[0], layers, -1)
+    rms = f.pow(2).mean(-1, keepdim=True).sqrt()
+    return (f + (torch.rand_like(f) * 2 - 1) * (share * rms)).view_as(feats)
 
 
 # -- 5: validation ----------------------------------------------------------------------
@@ -474,6 +491,26 @@ def validate(head: EagleHead, embed: torch.nn.Module, seqs: list[Sequence], k: i
     ]
     mean_accepted = {K: float(reach[:K].sum()) for K in range(1, k + 1)}
     return {"chains": chains, "acceptance_by_position": by_position, "mean_accepted": mean_accepted}
+
+
+MEMORIZING = 0.15  # first-draft acceptance this much higher on seen replies than held out
+
+
+def seen_replies(trainset: list[Sequence], n: int) -> list[Sequence]:
+    """n greedy training replies spread over the prompt set: validated beside the held-out
+    ones, they tell memorizing (high here, low there) from learning too little (low on both)."""
+    greedy = [q for q in trainset if q.reply and not q.sampled]
+    return greedy[:: max(1, len(greedy) // n)][:n] if n else []
+
+
+def validated(head: EagleHead, embed: torch.nn.Module, held: list[Sequence], seen: list[Sequence]) -> dict[str, Any]:
+    """`validate` on the held-out replies, with the first-draft acceptance on replies the
+    head trained on as `seen_top1`."""
+    res = validate(head, embed, held)
+    mine: dict[str, Any] = validate(head, embed, seen) if seen else {"chains": 0}
+    if res.get("chains") and mine.get("chains"):
+        res["seen_top1"] = mine["acceptance_by_position"][0]
+    return res
 
 
 def predicted_speedup(mean_accepted: dict[int, float], c: float, verify: Callable[[int], float]) -> dict[int, float]:
@@ -627,6 +664,7 @@ def train(
     seqs = collect(target, opts, work, budget, report, tell, stopped)
     held = [q for q in seqs if q.held_out]
     trainset = [q for q in seqs if not q.held_out]
+    seen = seen_replies(trainset, len(held))
     if not trainset:
         raise ValueError("no training data was collected in the time given: give more --minutes")
     tokens = sum(len(q.ids) - q.start for q in trainset)
@@ -693,7 +731,7 @@ def train(
 
     def evaluate() -> dict[str, Any]:
         head.eval()
-        res = validate(head, embed, held)
+        res = validated(head, embed, held, seen)
         head.train()
         return res
 
@@ -713,7 +751,7 @@ def train(
             for g in optim.param_groups:
                 g["lr"] = lr
             with torch.autocast(target.device.type, dtype=amp) if amp else contextlib.nullcontext():
-                loss, rows, agree = sequence_loss(head, embed, q, labels, TTT_STEPS)
+                loss, rows, agree = sequence_loss(head, embed, q, labels, TTT_STEPS, opts.feature_noise)
             if rows == 0:
                 continue
             optim.zero_grad(set_to_none=True)
@@ -747,7 +785,7 @@ def train(
     head.eval()
 
     # 5. Validation and the head's own file.
-    res = validate(head, embed, held) if held else {"chains": 0}
+    res = validated(head, embed, held, seen) if held else {"chains": 0}
     total_s = seconds + elapsed
     if res.get("chains"):
         curve.append(_point(total_s, res))
@@ -801,7 +839,10 @@ def _load_checkpoint(path: Path, sha: str) -> dict[str, Any] | None:
 def _point(seconds: float, res: dict[str, Any]) -> dict[str, float]:
     acc = res.get("acceptance_by_position") or [0.0]
     mean = res.get("mean_accepted") or {}
-    return {"minutes": seconds / 60, "top1": float(acc[0]), "accepted_k4": float(mean.get(4, 0.0))}
+    point = {"minutes": seconds / 60, "top1": float(acc[0]), "accepted_k4": float(mean.get(4, 0.0))}
+    if "seen_top1" in res:
+        point["seen_top1"] = float(res["seen_top1"])
+    return point
 
 
 def _describe(res: dict[str, Any]) -> str:
@@ -809,7 +850,8 @@ def _describe(res: dict[str, Any]) -> str:
         return "no held-out replies to validate on"
     acc = ", ".join(f"{a:.2f}" for a in res["acceptance_by_position"])
     mean = res["mean_accepted"]
-    return f"acceptance by position {acc}; mean accepted at K=1 {mean[1]:.2f}, K=4 {mean[4]:.2f}"
+    seen = f"; first draft on training replies {res['seen_top1']:.2f}" if "seen_top1" in res else ""
+    return f"acceptance by position {acc}; mean accepted at K=1 {mean[1]:.2f}, K=4 {mean[4]:.2f}{seen}"
 
 
 def describe_report(result: TrainResult) -> str:
@@ -822,6 +864,11 @@ def describe_report(result: TrainResult) -> str:
             f"{i + 1}: {a:.2f}" for i, a in enumerate(r["acceptance_by_position"])))
         lines.append("mean accepted drafts per round: " + ", ".join(
             f"K={k}: {a:.2f}" for k, a in r["mean_accepted"].items()))
+        if "seen_top1" in r:
+            gap = r["seen_top1"] - r["acceptance_by_position"][0]
+            lines.append(f"first draft on replies it trained on: {r['seen_top1']:.2f}" + (
+                " (far above held out: the head memorizes its replies; more and other prompts "
+                "will help it more than more minutes)" if gap > MEMORIZING else ""))
     else:
         lines.append("no held-out replies were collected: no validation figures")
     lines.append(f"cost ({r['decoding']}): head step {r['head_step_ms']:.1f} ms, target step {r['target_step_ms']:.1f} ms, "

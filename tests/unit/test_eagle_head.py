@@ -277,6 +277,50 @@ def test_training_through_train_draft_accepts_more_than_a_random_head(trained) -
     assert load_head(folder, target_sha256=weights_id(tgt)).config.target_sha256 == weights_id(tgt)
 
 
+def test_the_report_gives_acceptance_on_replies_trained_on_beside_the_held_out(trained) -> None:
+    """The report's `seen_top1` is the first-draft acceptance on greedy training replies
+    (one spread over the prompts for each held-out reply; sampled replies and answers are
+    not read as greedy), and the terminal report names memorizing only where that is far
+    above the held-out figure."""
+    from dataclasses import replace
+
+    from specchat.engine.tools.train_draft import MEMORIZING, describe_report, seen_replies
+
+    tgt, opts, result = trained
+    seqs = [Sequence(**s) for s in torch.load(opts.out / "work" / "data.pt", weights_only=True)["seqs"]]
+    held = [q for q in seqs if q.held_out]
+    seen = seen_replies([q for q in seqs if not q.held_out], len(held))
+    assert len(seen) == len(held) and all(q.reply and not q.sampled and not q.held_out for q in seen)
+    assert len({tuple(q.ids[: q.start]) for q in seen}) == len(seen)  # other prompts
+    want = validate(result.head.eval(), tgt.model.get_input_embeddings(), seen)["acceptance_by_position"][0]
+    assert result.report["seen_top1"] == pytest.approx(want)
+    assert [q.reply for q in seen_replies([Sequence([1], 0), Sequence([1], 0, reply=True, sampled=True)], 1)] == []
+    held_top1 = result.report["acceptance_by_position"][0]
+    for seen_top1, says in ((held_top1 + MEMORIZING + 0.01, True), (held_top1 + MEMORIZING - 0.01, False)):
+        text = describe_report(replace(result, report={**result.report, "seen_top1": seen_top1}))
+        assert f"replies it trained on: {seen_top1:.2f}" in text
+        assert ("memorizes" in text) == says, text
+
+
+def test_feature_noise_scales_with_each_layers_rms() -> None:
+    """Two feature layers 1000x apart in scale: each row's slice of each layer moves by at
+    most share x its own RMS, and by a fair part of it (uniform noise: RMS share / sqrt 3);
+    one absolute width would drown the small layer or leave the large one untouched."""
+    from specchat.engine.tools.train_draft import noisy
+
+    torch.manual_seed(0)
+    small, large = torch.randn(50, 64), 1000 * torch.randn(50, 64)
+    feats = torch.cat([small, large], dim=-1)
+    got = noisy(feats, 2, 0.2)
+    assert got.shape == feats.shape
+    for part, moved in ((small, got[:, :64] - small), (large, got[:, 64:] - large)):
+        rms = part.pow(2).mean(-1, keepdim=True).sqrt()
+        assert (moved.abs() <= 0.2 * rms + 1e-3).all()
+        ratio = float((moved.pow(2).mean(-1, keepdim=True).sqrt() / rms).mean())
+        assert 0.09 < ratio < 0.14, ratio  # 0.2 / sqrt(3) = 0.115
+    assert torch.equal(noisy(feats, 2, 0.0), feats)
+
+
 def test_learning_rate_warms_up_holds_then_decays_to_zero_over_the_last_share() -> None:
     base = 3e-4
     assert learning_rate(base, 0, 0.0, 0.2) == pytest.approx(base / 50)
@@ -426,6 +470,7 @@ def test_ctrl_c_while_collecting_keeps_what_was_collected(target, tmp_path: Path
     assert len(replies) == 2 * 42
     greedy, sampled = replies[:42], replies[42:]
     assert [q.ids[: q.start] for q in greedy] == [q.ids[: q.start] for q in sampled]
+    assert not any(q.sampled for q in greedy) and all(q.sampled for q in sampled)
     assert sum(a.ids != b.ids for a, b in zip(greedy, sampled, strict=True)) > 21
     # --no-collect: the data as it is, nothing asked of the target
     frozen = collect(tgt, TrainOptions(**{**vars(opts), "collect": False}), tmp_path, budget,
@@ -490,9 +535,11 @@ def test_train_draft_cli_defaults_are_the_training_defaults() -> None:
     args = build_parser().parse_args(["train-draft"])
     opts = TrainOptions()
     got = (args.minutes, args.head_vocab, args.intermediate, args.lr, args.decay,
-           args.reply_tokens, args.reply_weight, args.reply_rounds, args.seed, args.collect)
+           args.reply_tokens, args.reply_weight, args.reply_rounds, args.seed, args.collect,
+           args.feature_noise)
     want = (opts.minutes, opts.draft_vocab, opts.intermediate, opts.lr, opts.decay,
-            opts.reply_tokens, opts.reply_weight, opts.reply_rounds, opts.seed, opts.collect)
+            opts.reply_tokens, opts.reply_weight, opts.reply_rounds, opts.seed, opts.collect,
+            opts.feature_noise)
     assert got == want
 
 
@@ -504,6 +551,7 @@ def test_train_draft_cli_defaults_are_the_training_defaults() -> None:
         (["--reply-weight", "0"], "--reply-weight must be > 0"),
         (["--reply-rounds", "0"], "--reply-rounds must be >= 1"),
         (["--head-vocab", "0"], "--head-vocab must be >= 1"),
+        (["--feature-noise", "-0.1"], "--feature-noise must be >= 0"),
     ],
 )
 def test_train_draft_refuses_bad_flags_with_a_message_before_loading(flags, message, capsys) -> None:

@@ -70,6 +70,14 @@ def add_parser(sub: Any) -> None:
         "answer (default 6)",
     )
     p.add_argument(
+        "--feature-noise",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="uniform noise on the target's features while training, as a share of their "
+        "RMS (default 0)",
+    )
+    p.add_argument(
         "--no-collect",
         dest="collect",
         action="store_false",
@@ -96,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
         return common.fail(f"--reply-weight must be > 0, got {args.reply_weight}")
     if args.reply_rounds is not None and args.reply_rounds < 1:
         return common.fail(f"--reply-rounds must be >= 1, got {args.reply_rounds}")
+    if args.feature_noise < 0:
+        return common.fail(f"--feature-noise must be >= 0, got {args.feature_noise}")
     if args.head_vocab < 1:
         return common.fail(f"--head-vocab must be >= 1, got {args.head_vocab}")
     last: dict[str, str] = {}
@@ -134,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
                 reply_tokens=args.reply_tokens,
                 reply_weight=args.reply_weight,
                 reply_rounds=args.reply_rounds,
+                feature_noise=args.feature_noise,
                 collect=args.collect,
                 seed=args.seed,
                 out=args.out,
