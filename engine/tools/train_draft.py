@@ -32,6 +32,7 @@ import contextlib
 import copy
 import hashlib
 import itertools
+import json
 import math
 import random
 import sys
@@ -98,7 +99,7 @@ class TrainOptions:
     feature_noise: float = 0.0
     max_steps: int | None = None  # tests: stop after this many optimizer steps
     max_texts: int = 4000  # standard-library answers at most
-    collect: bool = True  # False: train on what an earlier run collected (work/data.pt) only
+    collect: bool = True  # False: train on what an earlier run collected (work/data/) only
     seed: int = 0
     eval_every_s: float = 120.0
     prompts: tuple[Prompt, ...] = PROMPTS
@@ -536,22 +537,63 @@ class Budget:
         return self.start + self.seconds
 
 
-def _save_data(path: Path, seqs: list[Sequence], state: dict[str, int]) -> None:
+SHARD = 25  # sequences a data file holds
+
+
+class DataStore:
+    """work/data/: the collected sequences in files of SHARD each, every full file written
+    once (the last, partial one rewritten as it fills), and state.json with their count
+    and how far the stages got, written last. A save costs what is new, not all that was
+    collected: one data.pt rewritten whole every 25 sequences wrote ~400 GB over a run
+    that filled the 6 GiB cap. A work/data.pt from before is read and carried over."""
+
+    def __init__(self, work: Path) -> None:
+        self.dir = work / "data"
+        self.legacy = work / "data.pt"
+        self.done = 0  # sequences in full files on disk
+
+    def _file(self, n: int) -> Path:
+        return self.dir / f"{n:05d}.pt"
+
+    def load(self) -> tuple[list[Sequence], dict[str, int]]:
+        """What an earlier run collected; nothing where the files are missing, torn or old."""
+        try:
+            if (self.dir / "state.json").is_file():
+                meta = json.loads((self.dir / "state.json").read_text())
+                count = int(meta.pop("count"))
+                rows: list[dict[str, Any]] = []
+                for n in range(math.ceil(count / SHARD)):
+                    rows += torch.load(self._file(n), weights_only=True)
+                rows, state = rows[:count], {k: int(v) for k, v in meta.items()}
+                self.done = count // SHARD * SHARD
+            elif self.legacy.is_file():
+                saved = torch.load(self.legacy, weights_only=True)
+                rows, state = saved["seqs"], dict(saved["state"])
+            else:
+                return [], {"asked": 0, "texts": 0}
+            if rows and "reply" not in rows[0]:
+                _mark_replies(rows, state["asked"])
+            return [Sequence(**row) for row in rows], state
+        except Exception:
+            self.done = 0
+            return [], {"asked": 0, "texts": 0}
+
+    def save(self, seqs: list[Sequence], state: dict[str, int]) -> None:
+        rows = [vars(q) for q in seqs if q.feats is not None]
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for first in range(self.done, len(rows), SHARD):
+            _replace(self._file(first // SHARD), lambda tmp, f=first: torch.save(rows[f : f + SHARD], tmp))
+        self.done = len(rows) // SHARD * SHARD
+        meta = json.dumps({**state, "count": len(rows)})
+        _replace(self.dir / "state.json", lambda tmp: tmp.write_text(meta))
+        self.legacy.unlink(missing_ok=True)
+
+
+def _replace(path: Path, write: Callable[[Path], object]) -> None:
+    """write(tmp) beside path, then rename over it: a reader sees the old file or the new."""
     tmp = path.with_name(path.name + ".part")
-    torch.save({"state": state, "seqs": [vars(q) for q in seqs if q.feats is not None]}, tmp)
+    write(tmp)
     tmp.replace(path)
-
-
-def _load_data(path: Path) -> tuple[list[Sequence], dict[str, int]]:
-    """What an earlier run collected; nothing where the file is missing, torn or old."""
-    try:
-        saved = torch.load(path, weights_only=True)
-        rows, state = saved["seqs"], dict(saved["state"])
-        if rows and "reply" not in rows[0]:
-            _mark_replies(rows, state["asked"])
-        return [Sequence(**row) for row in rows], state
-    except Exception:
-        return [], {"asked": 0, "texts": 0}
 
 
 def _mark_replies(rows: list[dict[str, Any]], asked: int) -> None:
@@ -564,17 +606,17 @@ def _mark_replies(rows: list[dict[str, Any]], asked: int) -> None:
             asked -= 1
 
 
-MAX_FEATURE_BYTES = 6 << 30  # features kept in memory (and in data.pt) at most
+MAX_FEATURE_BYTES = 6 << 30  # features kept in memory (and in work/data/) at most
 
 
 def collect(
     target: LoadedModel, opts: TrainOptions, work: Path, budget: Budget, report: Progress,
     tell: Callable[[str], None], stopped: Callable[[], bool],
 ) -> list[Sequence]:
-    """Stages 1-3, kept in work/data.pt (every 25 sequences, and on Ctrl+C): a later run
+    """Stages 1-3, kept in work/data/ (every SHARD sequences, and on Ctrl+C): a later run
     goes on where this one stopped."""
-    data_path = work / "data.pt"
-    seqs, state = _load_data(data_path)
+    store = DataStore(work)
+    seqs, state = store.load()
     if not opts.collect:
         if not seqs:
             raise ValueError(f"no data collected before in {work}: run without --no-collect first")
@@ -593,8 +635,8 @@ def collect(
         featurize(runner, q, layers)
         seqs.append(q)
         kept += _bytes(q)
-        if len(seqs) % 25 == 0:
-            _save_data(data_path, seqs, state)
+        if len(seqs) % SHARD == 0:
+            store.save(seqs, state)
 
     try:
         if not any(q.held_out for q in seqs):
@@ -628,7 +670,7 @@ def collect(
                 add(q)
             report(LoadProgress("features", i + 1, len(pairs)))
     finally:  # Ctrl+C included: what was collected is kept
-        _save_data(data_path, seqs, state)
+        store.save(seqs, state)
     return seqs
 
 

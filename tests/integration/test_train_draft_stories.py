@@ -14,13 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
 from specchat.engine.config import DecodeConfig, Mode, ModelSpec
 from specchat.engine.decode.session import ChatSession
 from specchat.engine.events import RoundEvent, TokenEvent
 from specchat.engine.model.eagle_io import load_head
-from specchat.engine.tools.train_draft import split, weights_id
+from specchat.engine.tools.train_draft import DataStore, split, weights_id
 from specchat.engine.weights.loading import load_model
 from tests.stories import STORIES, needs_stories
 
@@ -41,10 +39,10 @@ def test_train_draft_on_real_weights_saves_a_head_the_chat_decodes_exactly_with(
     assert "sampled (seed 1)" in run.stderr  # the second round's progress line
 
     # Both rounds asked every training prompt; the data says so and holds both replies.
-    data = torch.load(out / "work" / "data.pt", weights_only=True)
+    seqs, state = DataStore(out / "work").load()
     train_prompts = len(split()[0])
-    assert data["state"]["asked"] == 2 * train_prompts
-    replies = [s for s in data["seqs"] if s["reply"] and not s["held_out"]]
+    assert state["asked"] == 2 * train_prompts
+    replies = [s for s in seqs if s.reply and not s.held_out]
     assert len(replies) > train_prompts  # empty replies are skipped, so not exactly twice
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3"

@@ -18,6 +18,7 @@ from specchat.engine.model.eagle import EagleHead, HeadCache, HeadConfig, init_h
 from specchat.engine.model.eagle_io import config_from_speculators, load_head, save_head
 from specchat.engine.model.runner import ModelRunner
 from specchat.engine.tools.train_draft import (
+    DataStore,
     Sequence,
     TrainOptions,
     featurize,
@@ -264,8 +265,7 @@ def test_training_through_train_draft_accepts_more_than_a_random_head(trained) -
     tgt, opts, result = trained
     folder = opts.out
     assert (folder / "model.safetensors").is_file()
-    seqs = torch.load(folder / "work" / "data.pt", weights_only=True)["seqs"]
-    held = [Sequence(**s) for s in seqs if s["held_out"]]
+    held = [q for q in DataStore(folder / "work").load()[0] if q.held_out]
     assert held
     after = result.report["acceptance_by_position"][0]
     untrained_head = new_head(tgt, opts, result.head.draft_to_target, weights_id(tgt)).eval()
@@ -287,7 +287,7 @@ def test_the_report_gives_acceptance_on_replies_trained_on_beside_the_held_out(t
     from specchat.engine.tools.train_draft import MEMORIZING, describe_report, seen_replies
 
     tgt, opts, result = trained
-    seqs = [Sequence(**s) for s in torch.load(opts.out / "work" / "data.pt", weights_only=True)["seqs"]]
+    seqs = DataStore(opts.out / "work").load()[0]
     held = [q for q in seqs if q.held_out]
     seen = seen_replies([q for q in seqs if not q.held_out], len(held))
     assert len(seen) == len(held) and all(q.reply and not q.sampled and not q.held_out for q in seen)
@@ -434,10 +434,10 @@ def test_sampled_replies_are_the_seeds_and_leave_the_global_generator_alone(targ
 
 def test_ctrl_c_while_collecting_keeps_what_was_collected(target, tmp_path: Path) -> None:
     """A KeyboardInterrupt in the middle of the replies (raised where the run checks for
-    a stop) leaves data.pt with the replies featurized so far; the next run asks on."""
+    a stop) leaves work/data/ with the replies featurized so far; the next run asks on."""
     import time as _time
 
-    from specchat.engine.tools.train_draft import Budget, _load_data, collect
+    from specchat.engine.tools.train_draft import Budget, collect
     from specchat.engine.tools.train_prompts import PROMPTS
 
     tgt = loaded(target, tokenizer=chatml_tokenizer())
@@ -454,7 +454,7 @@ def test_ctrl_c_while_collecting_keeps_what_was_collected(target, tmp_path: Path
     budget = Budget(_time.monotonic(), 600)
     with pytest.raises(KeyboardInterrupt):
         collect(tgt, opts, tmp_path, budget, lambda _e: None, lambda _m: None, stop_after_five)
-    seqs, state = _load_data(tmp_path / "data.pt")
+    seqs, state = DataStore(tmp_path).load()
     assert seqs and all(q.feats is not None for q in seqs)
     held = sum(q.held_out for q in seqs)
     # Stopped at the sixth check, before the sixth held-out prompt: the five replies asked
@@ -465,7 +465,7 @@ def test_ctrl_c_while_collecting_keeps_what_was_collected(target, tmp_path: Path
     more = collect(tgt, opts, tmp_path, budget, lambda _e: None, said.append, lambda: False)
     assert len(more) > len(seqs) and any("resuming" in s for s in said)
     # two rounds over the training prompts: the second asks each again, sampled
-    assert _load_data(tmp_path / "data.pt")[1]["asked"] == 2 * 42
+    assert DataStore(tmp_path).load()[1]["asked"] == 2 * 42
     replies = [q for q in more if q.reply and not q.held_out]
     assert len(replies) == 2 * 42
     greedy, sampled = replies[:42], replies[42:]
@@ -479,6 +479,61 @@ def test_ctrl_c_while_collecting_keeps_what_was_collected(target, tmp_path: Path
     with pytest.raises(ValueError, match="no data collected before"):
         collect(tgt, TrainOptions(**{**vars(opts), "collect": False}), tmp_path / "empty", budget,
                 lambda _e: None, said.append, lambda: False)  # fmt: skip
+
+
+def _seq(n: int) -> Sequence:
+    return Sequence([n, n + 1, n + 2], 1, reply=n % 2 == 0, feats=torch.full((3, 4), float(n)),
+                    last=torch.zeros(3, 2))
+
+
+def test_collected_data_is_saved_in_files_each_written_once(tmp_path: Path, monkeypatch) -> None:
+    """Saved as collect() saves (every SHARD sequences, and once at the end), each full
+    file is written once and only the last, partial one again: what a save writes does
+    not grow with what was collected. A later load gives back every sequence and the
+    state; a torn state file gives nothing rather than a wrong count."""
+    from specchat.engine.tools import train_draft as td
+
+    written: list[str] = []
+    real = td._replace
+    monkeypatch.setattr(td, "_replace", lambda path, write: (written.append(path.name), real(path, write)))
+    store, seqs = DataStore(tmp_path), []
+    for n in range(4 * td.SHARD + 3):
+        seqs.append(_seq(n))
+        if len(seqs) % td.SHARD == 0:
+            store.save(seqs, {"asked": n, "texts": 1})
+    store.save(seqs, {"asked": 99, "texts": 2})
+    files = [w for w in written if w.endswith(".pt")]
+    assert sorted(files) == ["00000.pt", "00001.pt", "00002.pt", "00003.pt", "00004.pt"]
+    got, state = DataStore(tmp_path).load()
+    assert state == {"asked": 99, "texts": 2}
+    assert [q.ids for q in got] == [q.ids for q in seqs]
+    assert all(torch.equal(a.feats, b.feats) and a.reply == b.reply for a, b in zip(got, seqs, strict=True))
+    # a store that resumes writes only the partial file and what follows it
+    written.clear()
+    again = DataStore(tmp_path)
+    more = again.load()[0] + [_seq(500)]
+    again.save(more, state)
+    assert [w for w in written if w.endswith(".pt")] == ["00004.pt"]
+    assert len(DataStore(tmp_path).load()[0]) == len(seqs) + 1
+    (tmp_path / "data" / "state.json").write_text("{not json")
+    assert DataStore(tmp_path).load() == ([], {"asked": 0, "texts": 0})
+
+
+def test_a_data_pt_from_before_is_read_and_carried_over(tmp_path: Path) -> None:
+    """work/data.pt, one file as earlier versions saved it, loads (its sequences marked
+    replies or answers from the count asked), and the next save moves it into files."""
+    old = [_seq(n) for n in range(30)]
+    rows = [{k: v for k, v in vars(q).items() if k not in ("reply", "sampled")} for q in old]
+    torch.save({"state": {"asked": 3, "texts": 27}, "seqs": rows}, tmp_path / "data.pt")
+    seqs, state = DataStore(tmp_path).load()
+    assert [q.ids for q in seqs] == [q.ids for q in old] and state == {"asked": 3, "texts": 27}
+    assert [q.reply for q in seqs[:4]] == [True, True, True, False]
+    store = DataStore(tmp_path)
+    store.load()
+    store.save(seqs, state)
+    assert not (tmp_path / "data.pt").exists()
+    again, state2 = DataStore(tmp_path).load()
+    assert [q.ids for q in again] == [q.ids for q in old] and state2 == state
 
 
 def test_replies_are_drawn_reply_weight_times_as_often_and_old_data_says_which() -> None:
@@ -505,8 +560,7 @@ def test_validation_counts_every_chain_as_one_chain_at_a_time_would(trained) -> 
     a chain leaving at row m, counted alone, must give the same acceptance (the trained
     head of the fixture, its held-out replies, K=4)."""
     tgt, opts, result = trained
-    seqs = torch.load(opts.out / "work" / "data.pt", weights_only=True)["seqs"]
-    held = [Sequence(**s) for s in seqs if s["held_out"]]
+    held = [q for q in DataStore(opts.out / "work").load()[0] if q.held_out]
     head, embed, k = result.head.eval(), tgt.model.get_input_embeddings(), 4
     t2d = head.target_to_draft()
     reach, chains = torch.zeros(k), 0
