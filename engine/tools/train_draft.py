@@ -30,6 +30,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import copy
+import functools
 import hashlib
 import itertools
 import json
@@ -582,7 +583,7 @@ class DataStore:
         rows = [vars(q) for q in seqs if q.feats is not None]
         self.dir.mkdir(parents=True, exist_ok=True)
         for first in range(self.done, len(rows), SHARD):
-            _replace(self._file(first // SHARD), lambda tmp, f=first: torch.save(rows[f : f + SHARD], tmp))
+            _replace(self._file(first // SHARD), functools.partial(torch.save, rows[first : first + SHARD]))
         self.done = len(rows) // SHARD * SHARD
         meta = json.dumps({**state, "count": len(rows)})
         _replace(self.dir / "state.json", lambda tmp: tmp.write_text(meta))
