@@ -96,7 +96,8 @@ class TrainOptions:
     reply_rounds: int | None = None
     # Uniform noise on the target features a step trains on, as a share of each feature
     # layer's RMS in that row (EAGLE-1's augmentation, scaled to the raw residual stream):
-    # a head that sees the same few hundred replies for an hour memorizes them.
+    # a head that sees the same few hundred replies for an hour memorizes them. 0.2 and 0.5
+    # for 15 minutes left held out where it was (docs/draft-head.md, "Memorizing"): off.
     feature_noise: float = 0.0
     max_steps: int | None = None  # tests: stop after this many optimizer steps
     max_texts: int = 4000  # standard-library answers at most
@@ -910,8 +911,8 @@ def describe_report(result: TrainResult) -> str:
         if "seen_top1" in r:
             gap = r["seen_top1"] - r["acceptance_by_position"][0]
             lines.append(f"first draft on replies it trained on: {r['seen_top1']:.2f}" + (
-                " (far above held out: the head memorizes its replies; more and other prompts "
-                "will help it more than more minutes)" if gap > MEMORIZING else ""))
+                " (far above held out: the head memorizes its replies, and more minutes on "
+                "the same data will not lift held out)" if gap > MEMORIZING else ""))
     else:
         lines.append("no held-out replies were collected: no validation figures")
     lines.append(f"cost ({r['decoding']}): head step {r['head_step_ms']:.1f} ms, target step {r['target_step_ms']:.1f} ms, "
