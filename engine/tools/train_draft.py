@@ -97,7 +97,8 @@ class TrainOptions:
     # Uniform noise on the target features a step trains on, as a share of each feature
     # layer's RMS in that row (EAGLE-1's augmentation, scaled to the raw residual stream):
     # a head that sees the same few hundred replies for an hour memorizes them. 0.2 and 0.5
-    # for 15 minutes left held out where it was (docs/draft-head.md, "Memorizing"): off.
+    # for 15 minutes, and 0.5 for half an hour on a memorizing head, left held out where it
+    # was (docs/draft-head.md, "Memorizing"): off by default.
     feature_noise: float = 0.0
     max_steps: int | None = None  # tests: stop after this many optimizer steps
     max_texts: int = 4000  # standard-library answers at most
