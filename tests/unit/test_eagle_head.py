@@ -601,11 +601,15 @@ def test_train_draft_cli_defaults_are_the_training_defaults() -> None:
     ("flags", "message"),
     [
         (["--minutes", "0"], "--minutes must be > 0"),
+        (["--minutes", "nan"], "--minutes must be > 0"),
         (["--decay", "1.5"], "--decay must be between 0 and 1"),
-        (["--reply-weight", "0"], "--reply-weight must be > 0"),
+        (["--decay", "nan"], "--decay must be between 0 and 1"),
+        (["--reply-weight", "0"], "--reply-weight must be a number > 0"),
+        (["--reply-weight", "inf"], "--reply-weight must be a number > 0"),
         (["--reply-rounds", "0"], "--reply-rounds must be >= 1"),
         (["--head-vocab", "0"], "--head-vocab must be >= 1"),
-        (["--feature-noise", "-0.1"], "--feature-noise must be >= 0"),
+        (["--feature-noise", "-0.1"], "--feature-noise must be a number >= 0"),
+        (["--feature-noise", "nan"], "--feature-noise must be a number >= 0"),
     ],
 )
 def test_train_draft_refuses_bad_flags_with_a_message_before_loading(flags, message, capsys) -> None:

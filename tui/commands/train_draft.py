@@ -13,6 +13,7 @@ next run resumes from it and from the data already collected.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -96,16 +97,17 @@ def run(args: argparse.Namespace) -> int:
     from specchat.engine.tools.train_draft import TrainOptions, describe_report, train
     from specchat.engine.weights.loading import load_model, set_threads
 
-    if args.minutes <= 0:
+    # written so that nan fails too (argparse's float() takes 'nan' and 'inf')
+    if not args.minutes > 0:
         return common.fail(f"--minutes must be > 0, got {args.minutes}")
     if not 0 <= args.decay <= 1:
         return common.fail(f"--decay must be between 0 and 1, got {args.decay}")
-    if args.reply_weight <= 0:
-        return common.fail(f"--reply-weight must be > 0, got {args.reply_weight}")
+    if not 0 < args.reply_weight < math.inf:
+        return common.fail(f"--reply-weight must be a number > 0, got {args.reply_weight}")
     if args.reply_rounds is not None and args.reply_rounds < 1:
         return common.fail(f"--reply-rounds must be >= 1, got {args.reply_rounds}")
-    if args.feature_noise < 0:
-        return common.fail(f"--feature-noise must be >= 0, got {args.feature_noise}")
+    if not 0 <= args.feature_noise < math.inf:
+        return common.fail(f"--feature-noise must be a number >= 0, got {args.feature_noise}")
     if args.head_vocab < 1:
         return common.fail(f"--head-vocab must be >= 1, got {args.head_vocab}")
     last: dict[str, str] = {}
