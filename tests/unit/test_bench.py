@@ -806,7 +806,8 @@ def test_the_training_prompts_hold_out_eight_and_none_is_a_bench_prompt() -> Non
     train, held = split()
     assert len(held) == 8 and not set(train) & set(held) and len(train) + 8 == len(set(PROMPTS))
     root = Path(__file__).resolve().parents[2]
-    sets = [*(root / "docs" / "bench-prompts").glob("*.jsonl"), root.parent / "shared" / "prompts" / "dev_prompts.jsonl"]
-    bench = {m[1] for path in sets if path.is_file() for p in load_prompts(path) for m in p.messages}
+    ours = sorted((root / "docs" / "bench-prompts").glob("*.jsonl"))
+    dev = root.parent / "shared" / "prompts" / "dev_prompts.jsonl"  # absent on a bare clone
+    bench = {m[1] for path in [*ours, dev] if path.is_file() for p in load_prompts(path) for m in p.messages}
     said = {text for p in PROMPTS for _, text in turns(p)}
-    assert len(bench) > 10 and not bench & said
+    assert len(ours) >= 2 and len(bench) > 5 and not bench & said
