@@ -14,6 +14,16 @@ os.environ.setdefault("SPECCHAT_PACKED_CACHE", "0")
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# Property tests explore new examples on a developer's runs and keep the ones that fail
+# (hypothesis' example database); under CI every run draws the same examples, so a
+# submission's result does not hang on which random inputs one run happened to draw.
+# A failure there prints the example's blob to reproduce it with @reproduce_failure.
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("dev", print_blob=True)
+settings.load_profile(os.environ.get("SPECCHAT_HYPOTHESIS_PROFILE")
+                      or ("ci" if os.environ.get("CI") else "dev"))
 
 
 @pytest.fixture
