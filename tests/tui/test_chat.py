@@ -19,6 +19,7 @@ from tui_helpers import (
     GatedSession,
     make_app,
     ready,
+    run_from_palette,
     send,
     wait_until,
 )
@@ -495,11 +496,7 @@ async def test_palette_has_every_action() -> None:
         shown = {b.key for b in app.BINDINGS if getattr(b, "show", False)}
         assert {"escape", "ctrl+n", "ctrl+r", "f2", "f6", "f7", "ctrl+g"} <= shown
         # run one through the palette
-        await pilot.press("ctrl+p")
-        await pilot.pause()
-        await pilot.press(*"Mode: plain")
-        await pilot.pause(0.3)
-        await pilot.press("enter")
+        await run_from_palette(pilot, "Mode: plain")
         await wait_until(pilot, lambda: app.state.decode.mode is Mode.PLAIN)
 
 

@@ -5,7 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 from textual.widgets import Static
-from tui_helpers import SIZE, TRACE, GatedSession, make_app, ready, send, wait_until
+from tui_helpers import (
+    SIZE,
+    TRACE,
+    GatedSession,
+    make_app,
+    ready,
+    run_from_palette,
+    send,
+    wait_until,
+)
 
 from specchat.engine.config import DecodeConfig, Mode
 from specchat.engine.events import Cancelled, Provenance, TokenEvent, TurnFinished
@@ -88,11 +97,7 @@ async def test_the_limit_key_and_palette_reach_the_next_reply() -> None:
         await pilot.press("ctrl+l")  # from the largest, back to the smallest
         assert app.state.decode.max_new_tokens == 256
         # the palette
-        await pilot.press("ctrl+p")
-        await pilot.pause()
-        await pilot.press(*"Reply limit: 512")
-        await pilot.pause(0.3)
-        await pilot.press("enter")
+        await run_from_palette(pilot, "Reply limit: 512")
         await wait_until(pilot, lambda: app.state.decode.max_new_tokens == 512)
         assert "limit 512 tok" in app.query_one(StatusLine).decode
         await send(pilot, "q")

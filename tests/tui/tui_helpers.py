@@ -42,6 +42,27 @@ async def wait_until(pilot: Pilot, cond: Callable[[], bool], timeout: float = 5.
         await pilot.pause(0.02)
 
 
+async def run_from_palette(pilot: Pilot, text: str) -> None:
+    """Open the command palette, type `text` and press Enter once the palette's highlighted
+    hit is the command that starts with it (results come in batches, later on a loaded
+    machine: Enter before them only highlights)."""
+    from textual.command import CommandList, CommandPalette
+
+    app = pilot.app
+    await pilot.press("ctrl+p")
+    await wait_until(pilot, lambda: isinstance(app.screen, CommandPalette))
+    await pilot.press(*text)
+
+    def chosen() -> bool:
+        hits = app.screen.query_one(CommandList)
+        i = hits.highlighted
+        hit = getattr(hits.get_option_at_index(i), "hit", None) if i is not None else None
+        return hit is not None and (hit.text or "").startswith(text)
+
+    await wait_until(pilot, chosen)
+    await pilot.press("enter")
+
+
 async def ready(pilot: Pilot) -> None:
     app = pilot.app
     await wait_until(pilot, lambda: app.backend is not None or app.load_error is not None)  # type: ignore[attr-defined]
