@@ -51,6 +51,12 @@ def measure(runner: ModelRunner, tokens: int, blocks: list[int], context: int = 
     return out
 
 
+def variant(label: str) -> str:
+    """What a row's label adds to its quantization: '@path', '%splitS' or both."""
+    marks = [i for i in (label.find("@"), label.find("%")) if i >= 0]
+    return label[min(marks):] if marks else ""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--models", default="qwen2.5-coder-1.5b-instruct,qwen2.5-coder-0.5b-instruct")
@@ -84,8 +90,16 @@ def main() -> None:
         "between measurements of the same loaded model (rows labelled '<mode>@<path>'); "
         "default: the path this CPU chose",
     )
+    ap.add_argument(
+        "--splits",
+        default="",
+        help="1,0: measure each w4a8 model with the kernel's chunks dealt a range a thread (1, "
+        "the default) and from one shared counter (0), switched between measurements of the "
+        "same loaded model (rows labelled '<mode>%%split<S>')",
+    )
     args = ap.parse_args()
     paths = [p for p in args.w4a8_paths.split(",") if p] or [None]
+    splits = [int(s) for s in args.splits.split(",") if s] or [None]
     blocks = [int(b) for b in args.blocks.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
     runners = {}
@@ -127,11 +141,16 @@ def main() -> None:
                             int(min_rows or kernels.W4A8_VNNI_MIN_ROWS),
                             int(min_one or min_rows or kernels.W4A8_VNNI_MIN_ROWS_ONE_THREAD),
                         )
-                label = f"{mode}@{path}" if path else mode
-                for th in threads:
-                    torch.set_num_threads(th)
-                    for key, value in measure(runner, args.tokens, blocks, args.context).items():
-                        results[(model, label, th)][key].append(value)
+                for split in splits if mode.startswith("w4a8") else [None]:
+                    if split is not None:
+                        torch.ops.specchat.w4a8_set_split(split)
+                    label = (f"{mode}@{path}" if path else mode) + (
+                        f"%split{split}" if split is not None else ""
+                    )
+                    for th in threads:
+                        torch.set_num_threads(th)
+                        for key, value in measure(runner, args.tokens, blocks, args.context).items():
+                            results[(model, label, th)][key].append(value)
         print(f"round {r + 1}/{args.rounds} done", flush=True)
     print(f"\nCPU: {cpu.features().summary()}; {kernels.w4a8_describe() or 'no w4a8 kernel loaded'}")
     cols = ["step"] + [f"verify {n}" for n in blocks]
@@ -154,7 +173,7 @@ def main() -> None:
             row = ", ".join(
                 f"draft {mode_d}: {med[(m2, mode_d, th)]['step'] / med[(target, mode_t, th)]['step']:.2f}"
                 for (m2, mode_d, th2) in med
-                if m2 != target and th2 == th and mode_d.partition("@")[2] == mode_t.partition("@")[2]
+                if m2 != target and th2 == th and variant(mode_d) == variant(mode_t)
             )
             print(f"  target {mode_t}, {th} threads: {row}")
 

@@ -539,7 +539,9 @@ def test_the_kernels_helper_threads_change_no_bit_and_survive_concurrency_and_fo
     path_restored: object,
 ) -> None:
     """The kernel splits a call over helper threads of its own (csrc/w4a8.cpp, Helpers): an
-    output's value must not depend on how many took part, on a second caller arriving while
+    output's value must not depend on how many took part, on how the chunks were dealt
+    (a range a thread, taking others' from their backs, or one shared counter), on a
+    second caller arriving while
     the helpers are busy (it computes alone), or on a forked child (which has no helpers and
     must start its own rather than wait for threads that are not there)."""
     import concurrent.futures
@@ -556,9 +558,13 @@ def test_the_kernels_helper_threads_change_no_bit_and_survive_concurrency_and_fo
         alone = [torch.ops.specchat.w4a8_linear(x, *packed, n) for x in xs]
         for threads in (2, 5):  # 5 on any machine: more helpers than cores
             torch.set_num_threads(threads)
-            for x, want in zip(xs, alone, strict=True):
-                for _ in range(3):
-                    assert torch.equal(torch.ops.specchat.w4a8_linear(x, *packed, n), want)
+            # chunks dealt a range a thread (the default), then from one shared counter
+            for split in (1, 0):
+                torch.ops.specchat.w4a8_set_split(split)  # type: ignore[attr-defined]
+                for x, want in zip(xs, alone, strict=True):
+                    for _ in range(3):
+                        assert torch.equal(torch.ops.specchat.w4a8_linear(x, *packed, n), want)
+            torch.ops.specchat.w4a8_set_split(1)  # type: ignore[attr-defined]
         torch.set_num_threads(2)
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             got = list(pool.map(lambda i: torch.ops.specchat.w4a8_linear(xs[i % 4], *packed, n), range(64)))
@@ -572,4 +578,5 @@ def test_the_kernels_helper_threads_change_no_bit_and_survive_concurrency_and_fo
         assert torch.equal(torch.tensor(here.recv()), alone[2])
         child.join(10)
     finally:
+        torch.ops.specchat.w4a8_set_split(1)  # type: ignore[attr-defined]
         torch.set_num_threads(before)

@@ -558,6 +558,19 @@ int64_t spin_us() {
   return env ? std::max<int64_t>(0, std::atoll(env)) : 200;
 }
 
+// What the first thread to join a call reads from its counter when no helper will join it.
+constexpr int64_t kAlone = INT64_MIN / 2;
+
+// How a call's chunks are dealt (w4a8_set_split): 1, a range a thread (Ranges, the
+// default); 0, one counter that every thread takes the next chunk from, as before: kept
+// to measure the two against each other in one process (scripts/step_cost.py --splits).
+std::atomic<int> g_split{1};
+
+int64_t w4a8_set_split(int64_t split) {
+  TORCH_CHECK(split == 0 || split == 1, "split: 0 (one shared counter) or 1 (a range a thread)");
+  return g_split.exchange(static_cast<int>(split));
+}
+
 class Helpers {
  public:
   // Never destroyed: its threads outlive main. A child made by fork() has none of them
@@ -575,7 +588,7 @@ class Helpers {
   void run(int64_t helpers, const F& work) {
     bool idle = false;
     if (helpers <= 0 || !busy_.compare_exchange_strong(idle, true)) {  // a second caller:
-      std::atomic<int64_t> next{0};                                     // on its own thread
+      std::atomic<int64_t> next{kAlone};                                // on its own thread
       work(next);
       return;
     }
@@ -650,6 +663,55 @@ void share(int64_t helpers, const F& work) {
   Helpers::get().run(helpers, work);
 }
 
+// Chunks 0..n split into one contiguous range per thread. A thread takes its own range's
+// chunks front to back, then takes other ranges' chunks from their backs. So each thread
+// reads one forward stream of weights for most of a call (the hardware prefetcher keeps
+// running across its chunks, where chunks dealt in turn from one counter made every
+// thread jump a chunk ahead every ~32 KB), and a thread that keeps running still does a
+// stalled one's rest. A range is one 64-bit word, front << 32 | back.
+class Ranges {
+ public:
+  Ranges(int64_t n, int64_t parts) : parts_(parts), ranges_(new std::atomic<uint64_t>[parts]) {
+    for (int64_t t = 0; t < parts; ++t)
+      ranges_[t].store(static_cast<uint64_t>(n * t / parts) << 32 |
+                       static_cast<uint64_t>(n * (t + 1) / parts));
+  }
+  // The next chunk for the thread that got `id` (0, 1, ... in the order threads joined;
+  // negative for a caller that runs alone, which takes every range front to back), or -1
+  // when every range is done.
+  int64_t next(int64_t id) {
+    if (id < 0) {
+      for (int64_t t = 0; t < parts_; ++t)
+        if (const int64_t c = front(t); c >= 0) return c;
+      return -1;
+    }
+    if (id < parts_)
+      if (const int64_t c = front(id); c >= 0) return c;
+    for (int64_t k = 1; k <= parts_; ++k)
+      if (const int64_t c = back((id + k) % parts_); c >= 0) return c;
+    return -1;
+  }
+
+ private:
+  int64_t front(int64_t t) {
+    uint64_t v = ranges_[t].load();
+    while ((v >> 32) < (v & 0xFFFFFFFFu))
+      if (ranges_[t].compare_exchange_weak(v, v + (uint64_t{1} << 32)))
+        return static_cast<int64_t>(v >> 32);
+    return -1;
+  }
+  int64_t back(int64_t t) {
+    uint64_t v = ranges_[t].load();
+    while ((v >> 32) < (v & 0xFFFFFFFFu))
+      if (ranges_[t].compare_exchange_weak(v, v - 1))
+        return static_cast<int64_t>(v & 0xFFFFFFFFu) - 1;
+    return -1;
+  }
+
+  const int64_t parts_;
+  std::unique_ptr<std::atomic<uint64_t>[]> ranges_;
+};
+
 
 // x [M, K] float32; packed [N/8, K/32, 128] uint8; scales, mins [N/8, K/G, 8] float16 -> [M, N],
 // G = 32 * 2^s the weight group (read from the scales' shape)
@@ -690,17 +752,22 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const float* DS = ds.data_ptr<float>();
   const float* SS = ss.data_ptr<float>();
   float* Y = y.data_ptr<float>();
-  // Threads take chunks of ~32 KB of weights from a shared counter instead of a fixed
-  // share each: on a machine where another process holds a core for a while, the thread
-  // that keeps running does the rest instead of waiting at the end for the stalled one.
-  // The VNNI path takes row groups in pairs, so its chunks hold an even number of them.
+  // Threads take chunks of ~32 KB of weights, each from its own range first (Ranges)
+  // instead of a fixed share: on a machine where another process holds a core for a
+  // while, the thread that keeps running does the rest instead of waiting at the end for
+  // the stalled one. The VNNI path takes row groups in pairs, so its chunks hold an even
+  // number of them.
   const bool vnni = amx || w4a8_takes_vnni(M);
   int64_t chunk = std::max<int64_t>(1, 32768 / (nb * BLOCK_BYTES));
   if (vnni) chunk += chunk % 2;
   const int64_t chunks = (groups + chunk - 1) / chunk;
-  share(std::min<int64_t>(chunks, at::get_num_threads()) - 1, [&](std::atomic<int64_t>& next) {
+  const int64_t threads = std::min<int64_t>(chunks, at::get_num_threads());
+  const bool split = g_split.load(std::memory_order_relaxed) == 1;
+  Ranges ranges(chunks, split ? threads : 1);
+  share(threads - 1, [&](std::atomic<int64_t>& joined) {
     if (amx) amx_configure(static_cast<int>(R));  // tile configuration is each thread's own
-    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1))
+    const int64_t id = split ? joined.fetch_add(1) : kAlone;  // kAlone: all take range 0's front
+    for (int64_t c = ranges.next(id); c >= 0; c = ranges.next(id))
     for (int64_t g = c * chunk, g1 = std::min(groups, g + chunk); g < g1; ++g) {
       if (amx && g + 1 < g1) {
         pair_all_rows_amx(W, D, MN, g, nb, gshift, QA, DS, SS, M, K, Y, N, R);
@@ -817,6 +884,7 @@ TORCH_LIBRARY(specchat, m) {
         &w4a8_pack);
   m.def("w4a8_set_path(int path, int min_rows=2, int min_rows_one=4, int amx_min_rows=4) -> int",
         &w4a8_set_path);
+  m.def("w4a8_set_split(int split) -> int", &w4a8_set_split);
   m.def("w4a8_takes_vnni(int rows) -> bool", &w4a8_takes_vnni);
   m.def("w4a8_takes_amx(int rows) -> bool", &w4a8_takes_amx);
   m.def("w4a8_amx_permitted() -> bool", &amx_permitted);
