@@ -23,11 +23,13 @@ modules (engine/model/decoder.py), slower but with the same results.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
 import shutil
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -182,6 +184,28 @@ def w4a8_set_vnni_min_rows(rows: int, why: str = "") -> None:
         one = max(rows, int(_w4a8_rows.get("one", W4A8_VNNI_MIN_ROWS_ONE_THREAD)))
         torch.ops.specchat.w4a8_set_path(W4A8_PATHS[path], rows, one, W4A8_AMX_MIN_ROWS)
         _w4a8_rows.update(vnni=rows, why=why)
+
+
+@contextlib.contextmanager
+def small_ops_on_one_thread(on: bool = True) -> Iterator[None]:
+    """Inside (when `on`), torch's own operations run on one thread and w4a8 calls from
+    this thread on as many as torch had: its helpers need no wake, where each of torch's
+    parallel operations wakes a sleeping OpenMP worker (OMP_WAIT_POLICY=PASSIVE), ~100 us
+    on a 2-core VM, against 17 us for a product of 50 x 896 values on one thread
+    (docs/performance.md, step 39). Both counts are put back after. For blocks of a model
+    whose every projection is the w4a8 kernel's (engine/model/runner.py decides)."""
+    threads = torch.get_num_threads()
+    if not on or threads == 1:
+        yield
+        return
+    load("w4a8")
+    before = torch.ops.specchat.w4a8_set_threads(threads)
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.ops.specchat.w4a8_set_threads(before)
 
 
 def _amx_granted() -> bool:

@@ -24,12 +24,21 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from .attention import MAX_ROWWISE, one_thread, tree_rows, use_rowwise_attention
+from .attention import MAX_ROWWISE, ONE_THREAD_KEYS, one_thread, tree_rows, use_rowwise_attention
 from .attention import NAME as ROWWISE
 from .decoder import native_decoder
 from .invariance import RowsApart, plan
 from .kv_cache import GrowingLayer, new_cache
 from .layers import LayerStack, tree_depths, tree_paths
+from .native import small_ops_on_one_thread
+from .qlinear import W4A8Linear, _QuantizedLinear
+
+# Prompt blocks of up to this many rows run torch's own operations on one thread where the
+# model's projections are all the w4a8 kernel's (`small_ops_on_one_thread`): their products,
+# norms and SiLU of a few hundred thousand values cost less there than a worker's wake (a
+# product of 50 x 8,960 values: 125 us on one thread, 160 on two; of 500 x 8,960: 2.6 ms
+# against 1.6, so long prompts keep both). docs/performance.md, step 39.
+ONE_THREAD_BLOCK = 128
 
 
 class ModelRunner:
@@ -60,6 +69,9 @@ class ModelRunner:
         # several rows keep every thread. Which thread computes a value never changes it.
         self.steps_on_one_thread = False
         self._tree_feats: Tensor | None = None  # a tree's features until keep_path picks its rows
+        # Whether every projection, the LM head's included, is the w4a8 kernel's, whose
+        # helper threads run without torch's: then a prompt's small ops may take one thread.
+        self.kernel_only = w4a8_only(model)
 
     @property
     def stack(self) -> LayerStack | None:
@@ -106,7 +118,11 @@ class ModelRunner:
         # and models without a native decoder: transformers' own forward.
         # Float projections and silu so that each row gets a one-token step's bits.
         ex = self.exactness
-        with RowsApart(ex.fixed) if RowsApart.needed(ex, n) else nullcontext():
+        alone = self.kernel_only and n <= ONE_THREAD_BLOCK and self.cached + n <= ONE_THREAD_KEYS
+        with (
+            RowsApart(ex.fixed) if RowsApart.needed(ex, n) else nullcontext(),
+            small_ops_on_one_thread(alone),
+        ):
             out = self.model(
                 input_ids=ids.view(1, n),
                 cache=self.cache,
@@ -204,3 +220,9 @@ class ModelRunner:
         self.crop_to(len(seq) - 1)
         if self.cached < len(seq) - 1:
             self.feed(seq[self.cached : len(seq) - 1], keep=1)
+
+
+def w4a8_only(model: torch.nn.Module) -> bool:
+    """Whether every linear projection in `model` (its LM head included) is a W4A8Linear."""
+    linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, _QuantizedLinear))]
+    return bool(linears) and all(type(m) is W4A8Linear for m in linears)

@@ -47,6 +47,19 @@ def test_greedy_speculative_equals_plain_with_the_default_quantization() -> None
     assert [e.token_id for e in events if isinstance(e, TokenEvent)] == plain
     assert any(isinstance(e, RoundEvent) and e.siblings == 3 for e in events)
     session.set_ahead(chose)
+    # A prompt's small ops on one torch thread, the kernel on all (runner.kernel_only): on
+    # the real widths (45 x 8,960 values, which torch splits over its threads) the same bits.
+    runner = session.target_runner
+    assert runner.kernel_only
+    prompt = [(37 * i) % 5000 + 100 for i in range(45)]
+    logits = []
+    for alone in (True, False):
+        runner.kernel_only = alone
+        runner.reset()
+        logits.append(runner.feed(prompt, keep=4))
+    runner.kernel_only = True
+    runner.reset()
+    assert torch.equal(logits[0], logits[1])
     print(
         f"\n{session.target.info.quant}: plain {p.stats.tokens_per_s:.2f} tok/s, "
         f"spec {s.stats.tokens_per_s:.2f} tok/s, acceptance {s.stats.acceptance_rate:.2f}"

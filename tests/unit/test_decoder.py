@@ -125,6 +125,38 @@ def test_w4a8_groups_are_bit_identical() -> None:
     same_everywhere(model, list(range(3, 40)))
 
 
+def test_a_prompt_takes_one_torch_thread_only_where_every_projection_is_w4a8(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The runner runs a prompt's small ops on one torch thread (`kernel_only`) only where
+    the w4a8 kernel, which keeps its own threads, computes every projection, the LM head's
+    included: a float head would then read its weights on one thread. Its logits do not
+    change, and short blocks after the first pass go native as before."""
+    reason = native.unavailable("w4a8")
+    if reason:
+        pytest.skip(f"the w4a8 kernel cannot be used here: {reason}")
+    body_only = quant.apply(tiny_qwen2(hidden=128), QuantMode.W4A8, lm_head=False)
+    assert not ModelRunner(body_only, torch.device("cpu")).kernel_only
+    assert not ModelRunner(tiny_qwen2(hidden=128), torch.device("cpu")).kernel_only
+    model = quant.apply(tiny_qwen2(hidden=128), QuantMode.W4A8, lm_head=True)
+    runner = ModelRunner(model, torch.device("cpu"))
+    assert runner.kernel_only
+    seen: list[bool] = []
+    real = native.small_ops_on_one_thread
+
+    def spy(on: bool = True):  # type: ignore[no-untyped-def]
+        seen.append(on)
+        return real(on)
+
+    monkeypatch.setattr("specchat.engine.model.runner.small_ops_on_one_thread", spy)
+    prompt = list(range(3, 40))
+    alone = runner.feed(prompt, keep=3)
+    runner.reset()
+    runner.kernel_only = False
+    assert torch.equal(runner.feed(prompt, keep=3), alone)
+    assert seen == [True, False]
+
+
 @needs_decoder
 @pytest.mark.parametrize("mode", [QuantMode.INT8, QuantMode.INT4])
 def test_weight_only_int8_and_int4_are_bit_identical(mode: QuantMode) -> None:

@@ -565,6 +565,14 @@ def test_the_kernels_helper_threads_change_no_bit_and_survive_concurrency_and_fo
                     for _ in range(3):
                         assert torch.equal(torch.ops.specchat.w4a8_linear(x, *packed, n), want)
             torch.ops.specchat.w4a8_set_split(1)  # type: ignore[attr-defined]
+            # torch on one thread, the kernel told to take `threads` (a prompt's small ops)
+            torch.set_num_threads(1)
+            torch.ops.specchat.w4a8_set_threads(threads)  # type: ignore[attr-defined]
+            try:
+                for x, want in zip(xs, alone, strict=True):
+                    assert torch.equal(torch.ops.specchat.w4a8_linear(x, *packed, n), want)
+            finally:
+                torch.ops.specchat.w4a8_set_threads(0)  # type: ignore[attr-defined]
         torch.set_num_threads(2)
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             got = list(pool.map(lambda i: torch.ops.specchat.w4a8_linear(xs[i % 4], *packed, n), range(64)))
@@ -579,4 +587,35 @@ def test_the_kernels_helper_threads_change_no_bit_and_survive_concurrency_and_fo
         child.join(10)
     finally:
         torch.ops.specchat.w4a8_set_split(1)  # type: ignore[attr-defined]
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+def test_small_ops_on_one_thread_keep_the_kernels_threads_for_the_caller_alone() -> None:
+    """`small_ops_on_one_thread`: torch's count is 1 inside, the w4a8 kernel told to take
+    what torch had, for the calling thread only (another thread's calls keep following
+    its own torch count), and both are put back, also when the body raises."""
+    import threading
+
+    from specchat.engine.model.native import small_ops_on_one_thread
+
+    ops = torch.ops.specchat
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen: list[int] = []
+        with pytest.raises(RuntimeError, match="body"), small_ops_on_one_thread():
+            assert torch.get_num_threads() == 1
+            assert ops.w4a8_set_threads(2) == 2  # what the context set, read back
+            other = threading.Thread(target=lambda: seen.append(ops.w4a8_set_threads(0)))
+            other.start()
+            other.join()
+            raise RuntimeError("body")
+        assert seen == [0], "the kernel's thread count leaked to another thread"
+        assert torch.get_num_threads() == 2
+        assert ops.w4a8_set_threads(0) == 0, "the kernel's thread count was not put back"
+        with small_ops_on_one_thread(False):
+            assert torch.get_num_threads() == 2
+    finally:
+        ops.w4a8_set_threads(0)
         torch.set_num_threads(before)

@@ -525,10 +525,26 @@ int64_t w4a8_set_path(int64_t path, int64_t min_rows, int64_t min_rows_one, int6
   return g_path.exchange(static_cast<int>(path));
 }
 
-// Whether a call of M activation rows on this thread's torch thread count takes the VNNI code.
+// The threads a call from this thread runs on: 0 (the default), torch's intra-op count at
+// the call; n > 0, n whatever that count is. A prompt's small ops run on one torch thread,
+// where waking a second (OMP_WAIT_POLICY=PASSIVE) costs more than it brings, while this
+// kernel, whose helpers need no wake, keeps every thread (engine/model/native.py,
+// `small_ops_on_one_thread`). Per calling thread, as torch's own count is under OpenMP.
+thread_local int64_t t_threads = 0;
+
+int64_t w4a8_set_threads(int64_t threads) {
+  TORCH_CHECK(threads >= 0, "threads: 0 (torch's count) or how many");
+  const int64_t before = t_threads;
+  t_threads = threads;
+  return before;
+}
+
+int64_t call_threads() { return t_threads > 0 ? t_threads : at::get_num_threads(); }
+
+// Whether a call of M activation rows on this many threads (call_threads) takes the VNNI code.
 bool w4a8_takes_vnni(int64_t M) {
   return g_path.load(std::memory_order_relaxed) >= 1 &&
-         M >= (at::get_num_threads() == 1 ? g_vnni_min_rows_one : g_vnni_min_rows).load();
+         M >= (call_threads() == 1 ? g_vnni_min_rows_one : g_vnni_min_rows).load();
 }
 
 // Whether a call of M rows takes the AMX code (path 2, at least g_amx_min_rows rows).
@@ -761,7 +777,7 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   int64_t chunk = std::max<int64_t>(1, 32768 / (nb * BLOCK_BYTES));
   if (vnni) chunk += chunk % 2;
   const int64_t chunks = (groups + chunk - 1) / chunk;
-  const int64_t threads = std::min<int64_t>(chunks, at::get_num_threads());
+  const int64_t threads = std::min<int64_t>(chunks, call_threads());
   const bool split = g_split.load(std::memory_order_relaxed) == 1;
   Ranges ranges(chunks, split ? threads : 1);
   share(threads - 1, [&](std::atomic<int64_t>& joined) {
@@ -885,6 +901,7 @@ TORCH_LIBRARY(specchat, m) {
   m.def("w4a8_set_path(int path, int min_rows=2, int min_rows_one=4, int amx_min_rows=4) -> int",
         &w4a8_set_path);
   m.def("w4a8_set_split(int split) -> int", &w4a8_set_split);
+  m.def("w4a8_set_threads(int threads) -> int", &w4a8_set_threads);
   m.def("w4a8_takes_vnni(int rows) -> bool", &w4a8_takes_vnni);
   m.def("w4a8_takes_amx(int rows) -> bool", &w4a8_takes_amx);
   m.def("w4a8_amx_permitted() -> bool", &amx_permitted);
