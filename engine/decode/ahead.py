@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from ..config import MAX_K, DecodeConfig
-from .sampling import align_vocab
+from .sampling import align_vocab, argmax
 from .speculative import ModelDrafter, Proposal
 
 
@@ -221,7 +221,7 @@ class AheadDrafter:
                     seq = self._base + self._chain
                     epoch = self._epoch
                 row = self._next_row(seq)
-                token = int(torch.argmax(row))
+                token = int(argmax(row))
                 with self._cv:
                     self.drafted += 1
                     if epoch == self._epoch:

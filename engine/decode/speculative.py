@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,9 +33,11 @@ from torch import Tensor
 
 from ..config import DecodeConfig
 from ..events import Provenance, TokenEvent
+from ..model.attention import one_thread
 from ..model.runner import ModelRunner
 from .sampling import (
     align_vocab,
+    argmax,
     logits_to_probs,
     residual,
     residual_one_hot,
@@ -130,11 +133,12 @@ def draft_chain(
         logits = align_vocab(logits, vocab or logits.shape[-1])  # [V]
         rows.append(logits)
         if cfg.greedy:
-            tok = torch.argmax(logits, dim=-1)
+            tok = argmax(logits).to(logits.device)
         else:
-            p = logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+            with _on_logits(logits):
+                p = logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+                tok = sample(p, generator)
             probs.append(p)
-            tok = sample(p, generator)
         ids.append(tok)
         if i + 1 < k:
             logits = step(tok.view(1))
@@ -229,20 +233,35 @@ def _now() -> float:
     return time.perf_counter()
 
 
+# A round's work on its logits (argmax, the chosen tokens' probabilities, sampling) runs
+# torch's ops on one thread up to this many values, 13 rows of a 152k vocabulary: above
+# 32,768 values torch splits an op over its threads, and waking a sleeping worker
+# (OMP_WAIT_POLICY=PASSIVE) cost more than the op (a 152k-value logsumexp: 560 us on two
+# threads, 222 on one; Zen 3, docs/performance.md, step 39). Which thread computes a value
+# does not change it.
+ONE_THREAD_LOGITS = 1 << 21
+
+
+def _on_logits(logits: Tensor) -> AbstractContextManager[None]:
+    """One torch thread for the work on these logits where that is cheaper (CPU, few rows)."""
+    return one_thread(logits.device.type == "cpu" and logits.numel() <= ONE_THREAD_LOGITS)
+
+
 def plain_step(
     target: ModelRunner, seq: list[int], cfg: DecodeConfig, generator: torch.Generator | None
 ) -> RoundResult:
     """One target forward, one token (Provenance.TARGET)."""
     t0 = _now()
     logits = target.forward(seq, keep=1)[-1]  # [V]
-    if cfg.greedy:
-        tok_t = torch.argmax(logits)
-        p_t = token_probs(logits.view(1, -1), tok_t.view(1))[0]
-    else:
-        probs = logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
-        tok_t = sample(probs, generator)
-        p_t = probs[tok_t]
-    tok, p = torch.stack([tok_t.double(), p_t.double()]).tolist()  # one host sync
+    with _on_logits(logits):
+        if cfg.greedy:
+            tok_t = argmax(logits).to(logits.device)
+            p_t = token_probs(logits.view(1, -1), tok_t.view(1))[0]
+        else:
+            probs = logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+            tok_t = sample(probs, generator)
+            p_t = probs[tok_t]
+        tok, p = torch.stack([tok_t.double(), p_t.double()]).tolist()  # one host sync
     ms = (_now() - t0) * 1e3
     return RoundResult([emitted(int(tok), Provenance.TARGET, p_target=p)], 0, 0, 0.0, ms)
 
@@ -294,34 +313,35 @@ def speculative_round(
     positions = torch.arange(k + 1, device=dev)
 
     # 3. Accept / resample / bonus, all on the device.
-    draft_logits = (
-        align_vocab(prop.logits.to(dev), vocab) if prop.logits is not None else None
-    )  # [k, V]
-    if cfg.greedy:
-        target_argmax = torch.argmax(target_logits, dim=-1)  # [k+1]
-        n_acc = torch.cumprod((target_argmax[:k] == d).long(), dim=0).sum()  # []
-        last = target_argmax.index_select(0, n_acc.view(1))[0]
-        p_target_rows = None
-    else:
-        p_target_rows = logits_to_probs(target_logits, cfg.temperature, cfg.top_k, cfg.top_p)
-        p_draft_rows = _draft_probs(prop, draft_logits, cfg)
-        n_acc, last = accept_or_resample(p_target_rows, p_draft_rows, d, generator)
-    # The emitted chain: d_1..d_n, then the correction or bonus at position n.
-    chain = torch.where(positions < n_acc, torch.cat([d, d.new_zeros(1)]), last)  # [k+1]
-    if p_target_rows is None:
-        p_t = token_probs(target_logits, chain)  # [k+1]
-    else:
-        p_t = p_target_rows[positions, chain]
-    if draft_logits is None:
-        p_d = (chain[:k] == d).double()  # one-hot: 1 on the drafted token
-    elif cfg.greedy:
-        p_d = token_probs(draft_logits, chain[:k]).double()
-    else:
-        assert p_draft_rows is not None
-        p_d = p_draft_rows[positions[:k], chain[:k]].double()
-    packed = torch.cat(  # the round's one host sync
-        [n_acc.view(1).double(), chain.double(), p_t.double(), p_d, d.double()]
-    ).tolist()
+    with _on_logits(target_logits):
+        draft_logits = (
+            align_vocab(prop.logits.to(dev), vocab) if prop.logits is not None else None
+        )  # [k, V]
+        if cfg.greedy:
+            target_argmax = argmax(target_logits).to(dev)  # [k+1]
+            n_acc = torch.cumprod((target_argmax[:k] == d).long(), dim=0).sum()  # []
+            last = target_argmax.index_select(0, n_acc.view(1))[0]
+            p_target_rows = None
+        else:
+            p_target_rows = logits_to_probs(target_logits, cfg.temperature, cfg.top_k, cfg.top_p)
+            p_draft_rows = _draft_probs(prop, draft_logits, cfg)
+            n_acc, last = accept_or_resample(p_target_rows, p_draft_rows, d, generator)
+        # The emitted chain: d_1..d_n, then the correction or bonus at position n.
+        chain = torch.where(positions < n_acc, torch.cat([d, d.new_zeros(1)]), last)  # [k+1]
+        if p_target_rows is None:
+            p_t = token_probs(target_logits, chain)  # [k+1]
+        else:
+            p_t = p_target_rows[positions, chain]
+        if draft_logits is None:
+            p_d = (chain[:k] == d).double()  # one-hot: 1 on the drafted token
+        elif cfg.greedy:
+            p_d = token_probs(draft_logits, chain[:k]).double()
+        else:
+            assert p_draft_rows is not None
+            p_d = p_draft_rows[positions[:k], chain[:k]].double()
+        packed = torch.cat(  # the round's one host sync
+            [n_acc.view(1).double(), chain.double(), p_t.double(), p_d, d.double()]
+        ).tolist()
     t2 = _now()
 
     n = int(packed[0])
@@ -370,28 +390,29 @@ def _tree_round(
     target_logits = target.feed_tree(block, (-1, *(p + 1 for p in parents)))  # [n+1, V]
     assert prop.logits is not None
     draft_logits = align_vocab(prop.logits.to(dev), target_logits.shape[-1])  # [n, V]
-    ids = d.tolist()
-    p_target_rows = p_draft_rows = None
-    if cfg.greedy:
-        walk = walk_greedy(torch.argmax(target_logits, dim=-1).tolist(), ids, parents)
-    else:
-        p_target_rows = logits_to_probs(target_logits, cfg.temperature, cfg.top_k, cfg.top_p)
-        p_draft_rows = _draft_probs(prop, draft_logits, cfg)
-        assert p_draft_rows is not None
-        walk = walk_sampled(p_target_rows, p_draft_rows, ids, parents, generator)
-    path = walk.path
-    rows = [0] + [c + 1 for c in path]  # the block rows kept; row j scored emitted token j
-    chain = torch.tensor([ids[c] for c in path] + [walk.last], dtype=torch.long, device=dev)
-    at = torch.tensor(rows, dtype=torch.long, device=dev)
-    nodes = at[1:] - 1
-    if p_target_rows is None:
-        p_t = token_probs(target_logits[at], chain)
-        p_d = token_probs(draft_logits[nodes], chain[:-1]) if path else chain.new_zeros(0)
-    else:
-        assert p_draft_rows is not None
-        p_t = p_target_rows[at, chain]
-        p_d = p_draft_rows[nodes, chain[:-1]]
-    packed = torch.cat([p_t.double(), p_d.double()]).tolist()  # the round's second host read
+    with _on_logits(target_logits):
+        ids = d.tolist()
+        p_target_rows = p_draft_rows = None
+        if cfg.greedy:
+            walk = walk_greedy(argmax(target_logits).tolist(), ids, parents)
+        else:
+            p_target_rows = logits_to_probs(target_logits, cfg.temperature, cfg.top_k, cfg.top_p)
+            p_draft_rows = _draft_probs(prop, draft_logits, cfg)
+            assert p_draft_rows is not None
+            walk = walk_sampled(p_target_rows, p_draft_rows, ids, parents, generator)
+        path = walk.path
+        rows = [0] + [c + 1 for c in path]  # the block rows kept; row j scored emitted token j
+        chain = torch.tensor([ids[c] for c in path] + [walk.last], dtype=torch.long, device=dev)
+        at = torch.tensor(rows, dtype=torch.long, device=dev)
+        nodes = at[1:] - 1
+        if p_target_rows is None:
+            p_t = token_probs(target_logits[at], chain)
+            p_d = token_probs(draft_logits[nodes], chain[:-1]) if path else chain.new_zeros(0)
+        else:
+            assert p_draft_rows is not None
+            p_t = p_target_rows[at, chain]
+            p_d = p_draft_rows[nodes, chain[:-1]]
+        packed = torch.cat([p_t.double(), p_d.double()]).tolist()  # the round's second host read
     t2 = _now()
 
     kids = children_of(parents)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specchat.engine.decode import speculative
+from specchat.engine.decode import sampling, speculative
 from specchat.engine.decode.sampling import (
     align_vocab,
     logits_to_probs,
@@ -128,3 +128,19 @@ def test_chi_square_detects_a_wrong_rule(monkeypatch: pytest.MonkeyPatch, wrong:
     else:
         monkeypatch.setattr(speculative, "residual", lambda p_target, p_draft: p_target)
     assert first_token_pvalue(3) < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_argmax_is_torchs_on_ties_nans_infinities_and_strided_rows(dtype: torch.dtype) -> None:
+    """sampling.argmax (NumPy on the CPU) picks what torch.argmax picks, so greedy plain
+    and speculative rounds, which both take it, choose the same tokens as before."""
+    gen = torch.Generator().manual_seed(11)
+    rows = torch.randint(0, 4, (64, 33), generator=gen).to(dtype)  # many ties
+    rows[3, 7] = rows[5, 2] = rows[5, 30] = float("nan")
+    rows[8, 1] = rows[8, 9] = float("inf")
+    rows[9] = float("-inf")
+    for x in (rows, rows[:, ::3], rows[17], torch.randn(151_936, generator=gen).to(dtype)):
+        got = sampling.argmax(x)
+        want = torch.argmax(x, dim=-1)
+        assert got.dtype == torch.long and got.shape == want.shape
+        assert torch.equal(got, want)
