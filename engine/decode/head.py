@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from ..config import DecodeConfig
 from ..errors import EngineError
+from ..model.attention import one_thread
 from ..model.eagle import EagleHead, HeadCache
 from ..model.eagle_io import find_head, for_decoding, load_head
 from ..model.runner import ModelRunner
@@ -122,11 +123,16 @@ class HeadDrafter:
             def step(tok: Tensor) -> Tensor:
                 out, logits = self.head.step(self.embed(tok).to(self.dtype), last[0], self.cache)
                 last[0] = out
-                return self.head.to_target_logits(logits)[0]
+                return self._target_row(logits)
 
-            return draft_chain(
-                self.head.to_target_logits(first.view(1, -1))[0], step, k, cfg, generator
-            )
+            return draft_chain(self._target_row(first.view(1, -1)), step, k, cfg, generator)
+
+    def _target_row(self, logits: Tensor) -> Tensor:
+        """The head's logits [1, Vd] as a row of the target's vocabulary [Vt], on one torch
+        thread on the CPU: filling 151,936 values woke a sleeping worker, 266 against 132 us
+        a drafted token on a Zen 3 (docs/performance.md, step 39)."""
+        with one_thread(logits.device.type == "cpu"):
+            return self.head.to_target_logits(logits)[0]
 
     def rollback(self, n: int) -> None:
         """Keep rows of confirmed positions j < n - 1 (their next token is seq[j + 1])."""
