@@ -342,7 +342,7 @@ def replay_composed(
     costs = Costs(step, c * step, 0.2, dict(measured), catch_up_row_ms=row)
     costs.catch_up_pass_ms = max(0.0, feed_cost(feed, 1) * step - (row or 0.0))
     model = Controller(DecodeConfig(), costs, tree=trees)
-    copier = Controller(DecodeConfig(), Costs(step, 0.0, 0.2, dict(measured)))
+    copier = Controller(DecodeConfig(), Costs(step, 0.0, 0.2, dict(measured)), runs=True)
     lookup = LookupDrafter(1)
     use_model, use_copy = policy != "lookup", not policy.startswith("model")
     rank = prompt.get("rank", [])
@@ -353,7 +353,7 @@ def replay_composed(
         remaining = reply - t
         found = lookup.match(ids[: n0 + t], MAX_K) if use_copy else []
         if found and copier.mode is Mode.SPEC and remaining > 1:
-            k = min(copier.next()[1], remaining - 1, len(found))
+            k = min(copier.run_k(copier.next()[1]), remaining - 1, len(found))
             acc = 0
             while acc < k and found[acc] == ids[n0 + t + acc]:
                 acc += 1
@@ -366,6 +366,7 @@ def replay_composed(
             rounds["copy_accepted"] += acc
             t, unseen, copied = t + acc + 1, unseen + acc + 1, copied + acc + 1
             continue
+        copier.break_run()  # as the session: a round that does not copy ends a run
         if use_model and use_copy:
             model.observe_copies(copied)
             copied = 0

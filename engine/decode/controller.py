@@ -31,6 +31,13 @@ where the gain per token, 1 - 1/S, over the tokens the reply may still take
 pays it back (`pays_to_read`); composed spec decodes with copies and plain
 steps otherwise.
 
+Copies come in runs: a reply that re-types code or quotes a passage follows its
+source for dozens of tokens, then leaves it. A per-token α prices a copy as if
+each token were a fresh guess, which keeps K near what a model's draft would
+get; so a copier (`runs`) drafts twice the last copy's length after a copy the
+target took whole, up to MAX_K, and goes back to the planned K at the first
+refusal or break (docs/performance.md, step 40).
+
 Acceptance is estimated per draft token tried, not per round, so the estimate
 remembers as much text at K=1 as at K=8; a fallback needs S below 0.95, not 1,
 because coming back costs the draft a catch-up pass over the plain stretch;
@@ -42,7 +49,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..config import DecodeConfig, Mode
+from ..config import MAX_K, DecodeConfig, Mode
 from ..metrics import expected_speedup, expected_tokens_tree
 from ..model.attention import MAX_ROWWISE
 from .costs import Costs
@@ -72,6 +79,11 @@ class Controller:
     # this CPU class's costs and on flat (GPU-like) ones; with the margin they are taken
     # only where acceptance is low, where a second guess covers most.
     TREE_MARGIN = 0.10
+    # A copier doubles a run's K only where the longer pass, taken whole, yields this many
+    # times the tokens a step: replayed on the code-edit prompts' traces (scripts/
+    # accept_trace.py), 1.0 lost 2% against no runs at an AVX2 CPU's verify costs and 1.1
+    # none, and both gained 5-6% at Zen 4's (docs/performance.md, step 40).
+    RUN_GAIN = 1.10
 
     def __init__(
         self,
@@ -79,9 +91,12 @@ class Controller:
         costs: Costs | None = None,
         alpha0: float = 0.7,
         tree: bool = False,
+        runs: bool = False,
     ) -> None:
         """`tree`: the drafter and the target can take a draft tree (then cfg.siblings,
-        or the controller's choice where it is None, says how many depths)."""
+        or the controller's choice where it is None, says how many depths). `runs`: the
+        drafts are copies, and a copy taken whole is continued at twice its length
+        (`run_k`)."""
         self.cfg = cfg
         self.costs = costs or Costs()
         # Acceptance as decayed counts of accepted drafts and of trials; the prior
@@ -96,6 +111,8 @@ class Controller:
         self._copy_reads = 0.0
         self._copy_gaps = 0.0
         self.tree = tree and cfg.siblings != 0
+        self.runs = runs
+        self._run = 0  # the K a copy that continues a run takes (0: none running)
         # Depths with a second guess: fixed by cfg.siblings, else chosen with K (best()).
         self.k = cfg.k if cfg.k is not None else min(max(4, cfg.k_min), cfg.k_max)
         self.siblings = self._fixed_siblings(self.k)
@@ -174,6 +191,27 @@ class Controller:
     def observe_plain(self, step_ms: float) -> None:
         self.costs.target_step_ms = _ema(self.costs.target_step_ms, step_ms)
         self._plain_since_probe += 1
+        self._run = 0
+
+    def run_k(self, k: int) -> int:
+        """The K for a copier's next round: `k` as planned, or more where the last round was
+        a copy the target took whole (a run: twice its length, up to MAX_K). Adaptive only:
+        a fixed K stays fixed."""
+        return max(k, self._run) if k and self.runs and self.adaptive else k
+
+    def _run_after(self, k: int) -> int:
+        """The K of the copy after one of k drafts the target took whole: twice k where one pass
+        over 2k drafts, taken whole, yields RUN_GAIN times the tokens a step a pass over k
+        does, else k again (the margin: a copy may break partway). Where verify rows cost
+        little past the first (VNNI, AMX, a GPU) runs grow to MAX_K; where a pass's cost
+        climbs with its rows (AVX2: 9 rows 3.1 steps, 17 rows 5.9) they stop sooner."""
+        longer = min(MAX_K, 2 * k)
+        v = self.costs.verify_ratio
+        return longer if (longer + 1) / v(longer) >= self.RUN_GAIN * (k + 1) / v(k) else k
+
+    def break_run(self) -> None:
+        """A round that did not copy came between: the next copy starts a run afresh."""
+        self._run = 0
 
     def observe_copies(self, copied: int) -> None:
         """Composed spec, at each round the lookup does not draft: the tokens copied since
@@ -265,6 +303,8 @@ class Controller:
         if guessed:  # the refused depth had a second guess
             self._beta_hits = self.MEMORY * self._beta_hits + float(off_chain)
             self._beta_trials = self.MEMORY * self._beta_trials + 1.0
+        if self.runs:
+            self._run = self._run_after(k) if k and accepted == k and not siblings else 0
         if k > 0:
             self.costs.draft_step_ms = _ema(self.costs.draft_step_ms, draft_ms / k)
         step = self.costs.target_step_ms

@@ -14,7 +14,10 @@ without that token.
 The drafter keeps an index from each n-gram (MIN_NGRAM to MAX_NGRAM tokens)
 to the end of its latest occurrence, extended as the sequence grows, so a
 lookup costs a few dictionary reads whatever the context length. When
-nothing matches, it proposes no tokens and the round is a plain step.
+nothing matches, it proposes no tokens and the round is a plain step. A
+match that ends a few tokens back is copied on over its own tokens (LZ77's
+overlapping copy), so a reply caught in a loop is drafted as far ahead as
+the round asks; how far a copier asks is the controller's (`runs`).
 """
 
 from __future__ import annotations
@@ -67,12 +70,19 @@ class LookupDrafter:
         self._tokens = seq[: len(seq) - 1]
 
     def match(self, seq: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of seq's longest matching suffix."""
+        """Up to k tokens that followed the latest earlier occurrence of seq's longest matching
+        suffix. Where that occurrence ends within the last k tokens, the copy runs on over its
+        own tokens, as LZ77 copies an overlapping match: a reply caught in a loop of period d
+        is drafted k tokens ahead, not d."""
         self._sync(seq)
         for n in range(min(self.max_ngram, len(seq)), self.min_ngram - 1, -1):
             end = self._ends.get(tuple(seq[-n:]))
             if end is not None:
-                return seq[end : end + k]
+                out = seq[end : end + k]
+                period = len(seq) - end
+                while len(out) < k:
+                    out.append(out[len(out) - period])
+                return out
         return []
 
     # -- Drafter -------------------------------------------------------------

@@ -670,9 +670,10 @@ class ChatSession:
                 cfg,
                 self._costs_for(run_mode, ahead_on),
                 tree=self._takes_trees(run_mode) and not ahead_on,
+                runs=run_mode is Mode.LOOKUP,
             ),
             copier=(
-                Controller(cfg, self._costs_for(Mode.LOOKUP, ahead_on))
+                Controller(cfg, self._costs_for(Mode.LOOKUP, ahead_on), runs=True)
                 if composed
                 else None
             ),
@@ -761,12 +762,15 @@ class ChatSession:
             else:  # a round the model could draft: it would read the copies' tokens first
                 ctl.observe_copies(turn.copied)
                 turn.copied = 0
+                if turn.copier is not None:
+                    turn.copier.break_run()
         # Composed, the serial draft model's reads: what it lacks before this round.
         model = drafter if turn.composed is not None and not copy else None
         model = model if isinstance(model, ModelDrafter) else None
         unread = 0
         if turn.speculative:
             mode, k = ctl.next()
+            k = ctl.run_k(k)  # a copy continuing one the target took whole: longer
             remaining = cfg.max_new_tokens - turn.tally.generated
             k = min(k, remaining - 1, self.context_length - len(seq) - 1)
             if mode is not Mode.PLAIN and model is not None:

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from specchat.engine.config import DecodeConfig, Mode
+from specchat.engine.config import MAX_K, DecodeConfig, Mode
 from specchat.engine.decode.controller import Controller
 from specchat.engine.decode.costs import Costs
 
@@ -283,3 +283,69 @@ def test_a_read_is_priced_with_the_first_pass_a_round_pays() -> None:
     assert "at 1.09x (K=1, gain 12.2 steps)" in (ctrl.take_reason() or "")
     cheap = Controller(DecodeConfig(k_max=1), replace(costs, catch_up_row_ms=1.0), alpha0=0.85)
     assert cheap.pays_to_read(100, 150)
+
+
+
+def copier(cfg: DecodeConfig | None = None, slope: float = 0.02) -> Controller:
+    """A copier as the session makes one: drafts that cost nothing; verify rows past the
+    first at `slope` steps each (0.02: nearly flat, as on a GPU)."""
+    costs = Costs(100, 0.0, slope, {1: 1.0 + slope, 4: 1.0 + 4 * slope})
+    return Controller(cfg or DecodeConfig(), costs, runs=True)
+
+
+def copy_round(ctl: Controller, k: int, accepted: int) -> None:
+    """A copy round whose verify pass took what the controller's costs say it takes."""
+    ctl.observe_round(k, accepted, 0.0, 100 * ctl.costs.verify_ratio(k))
+
+
+def test_a_copy_taken_whole_is_continued_at_twice_its_length_up_to_max_k() -> None:
+    ctl = copier()
+    _, k = ctl.next()
+    assert ctl.run_k(k) == k  # nothing running yet: the planned K
+    ks = [k]
+    for _ in range(6):
+        copy_round(ctl, ks[-1], ks[-1])
+        ks.append(ctl.run_k(ctl.next()[1]))
+    assert ks[1] == 2 * k and ks[2] == min(MAX_K, 4 * k)  # doubling where rows cost little...
+    assert ks[-1] == MAX_K  # ...then held at MAX_K
+
+
+def test_a_run_stops_growing_where_a_longer_pass_costs_more_than_it_brings() -> None:
+    # An AVX2 CPU's verify costs (Zen 4 on the AVX2 code, docs/performance.md step 40): a
+    # pass over 17 rows, taken whole, yields 2.9 tokens a step, no more than one over 9.
+    ctl = copier()
+    ctl.costs.verify_at = {1: 1.15, 4: 1.98, 8: 3.1, 16: 5.9, 31: 10.34}
+    k = ctl.run_k(ctl.next()[1])
+    for _ in range(6):
+        copy_round(ctl, k, k)
+        k = ctl.run_k(ctl.next()[1])
+    assert k == 8
+    v = ctl.costs.verify_ratio
+    assert (2 * k + 1) / v(2 * k) < Controller.RUN_GAIN * (k + 1) / v(k)
+
+
+def test_a_run_ends_at_a_refusal_a_plain_step_or_another_round() -> None:
+    planned = copier().next()[1]
+    for end in ("refused", "plain", "break"):
+        ctl = copier()
+        copy_round(ctl, planned, planned)
+        assert ctl.run_k(ctl.next()[1]) == 2 * planned
+        if end == "refused":
+            copy_round(ctl, 2 * planned, 2 * planned - 1)
+        elif end == "plain":
+            ctl.observe_plain(100)
+        else:
+            ctl.break_run()
+        _, k = ctl.next()
+        assert ctl.run_k(k) == k <= DecodeConfig().k_max, end
+
+
+def test_runs_are_a_copiers_and_a_fixed_k_stays_fixed() -> None:
+    model = Controller(DecodeConfig(), Costs(100, 30.0, 0.02, {1: 1.02, 4: 1.08}))
+    fixed = copier(DecodeConfig(k=3))
+    for ctl in (model, fixed):
+        _, k = ctl.next()
+        ctl.observe_round(k, k, 30.0 * k, 100 * ctl.costs.verify_ratio(k))
+        _, k = ctl.next()
+        assert ctl.run_k(k) == k
+    assert fixed.run_k(fixed.next()[1]) == 3

@@ -25,7 +25,12 @@ def reference_match(seq: list[int], k: int, min_n: int = 2, max_n: int = 3) -> l
         suffix = seq[-n:]
         for end in range(len(seq) - 1, n - 1, -1):
             if seq[end - n : end] == suffix:
-                return seq[end : end + k]
+                # what followed it, and past the sequence's end what would follow if the
+                # text went on repeating itself from there
+                ext = list(seq)
+                while len(ext) < end + k:
+                    ext.append(ext[len(ext) - (len(seq) - end)])
+                return ext[end : end + k]
     return []
 
 
@@ -39,6 +44,9 @@ def test_the_longest_suffix_and_its_latest_occurrence_win() -> None:
     assert d.match([1, 2, 3, 4], 4) == []  # nothing repeats
     assert LookupDrafter(vocab=100, min_ngram=1).match([4, 1, 5, 1], 2) == [5, 1]
     assert d.match([4, 1, 5, 1], 2) == []  # one-token matches are off by default
+    # A loop: (1, 2) last ended 2 tokens back, so the copy runs on over its own tokens.
+    assert d.match([7, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]
+    assert d.match([3, 3, 3], 4) == [3, 3, 3, 3]
 
 
 @settings(max_examples=200, deadline=None)
@@ -60,7 +68,7 @@ def test_the_incremental_index_equals_a_fresh_search(chunks: list[list[int]], k:
 def test_propose_gives_one_hot_drafts_without_vocabulary_rows() -> None:
     d = LookupDrafter(vocab=50)
     prop = d.propose([3, 4, 7, 3, 4], 4, DecodeConfig(), None)
-    assert prop.ids.tolist() == [7, 3, 4]
+    assert prop.ids.tolist() == [7, 3, 4, 7]  # the copy runs on over its own tokens
     assert prop.logits is None and prop.probs is None  # one-hot: the round needs no [k, V] rows
     prop = d.propose([1, 2, 3], 4, DecodeConfig(), None)
     assert prop.ids.shape == (0,) and prop.n == 0
@@ -102,6 +110,21 @@ def test_greedy_lookup_equals_plain(target: torch.nn.Module) -> None:
         assert all(t.p_draft == pytest.approx(1.0) for t in tokens if t.provenance is Provenance.ACCEPTED)
         (done,) = [e for e in events if isinstance(e, TurnFinished)]
         assert done.stats.mode is Mode.LOOKUP and done.stats.drafted == sum(r.k for r in drafted)
+
+
+def test_a_loop_is_copied_in_runs_longer_than_the_planned_k(target: torch.nn.Module) -> None:
+    """The tiny model's greedy reply falls into a loop: copies of it, taken whole, double
+    (the overlapping copy drafts as far as asked) past the controller's K bound, and the
+    reply is still plain's."""
+    cfg = DecodeConfig(max_new_tokens=96)
+    plain = ChatSession(loaded(target)).stream(REPEATING, cfg.with_(mode=Mode.PLAIN))
+    events = list(ChatSession(loaded(target)).stream(REPEATING, cfg.with_(mode=Mode.LOOKUP)))
+    assert [e.token_id for e in events if isinstance(e, TokenEvent)] == [
+        e.token_id for e in plain if isinstance(e, TokenEvent)
+    ]
+    ks = [e.k for e in events if isinstance(e, RoundEvent) and e.k]
+    assert max(ks) > cfg.k_max, ks
+    assert any(b == 2 * a for a, b in zip(ks, ks[1:], strict=False)), ks
 
 
 def test_sampled_lookup_follows_the_target_distribution() -> None:
