@@ -119,6 +119,49 @@ def by_position(reached: Counter[int], passed: Counter[int]) -> list[float | Non
     return [passed[i] / reached[i] if reached[i] else None for i in range(1, max(reached) + 1)]
 
 
+# Draft positions the panels show one by one; past them, positions are pooled in bands that
+# double (9-16, 17-32): a copier's runs draft up to MAX_K tokens (decode/controller.py).
+SINGLE_POSITIONS = 8
+
+
+def _bands(top: int, single: int) -> list[tuple[int, int]]:
+    """(first, last) of each band covering 1..top: one position each up to `single`."""
+    out, lo = [], 1
+    while lo <= top:
+        hi = lo if lo <= single else min(top, 2 * (lo - 1))
+        out.append((lo, hi))
+        lo = hi + 1
+    return out
+
+
+def _band_label(lo: int, hi: int) -> str:
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def position_bands(
+    reached: Counter[int], passed: Counter[int], single: int = SINGLE_POSITIONS
+) -> list[tuple[str, float | None]]:
+    """(label, acceptance) for each draft position up to `single`, pooled over each band past
+    it (the drafts accepted there over the drafts that reached it)."""
+    if not reached:
+        return []
+    out: list[tuple[str, float | None]] = []
+    for lo, hi in _bands(max(reached), single):
+        r = sum(reached[i] for i in range(lo, hi + 1))
+        p = sum(passed[i] for i in range(lo, hi + 1))
+        out.append((_band_label(lo, hi), p / r if r else None))
+    return out
+
+
+def length_bands(hist: list[int], single: int = SINGLE_POSITIONS) -> list[tuple[str, int]]:
+    """(label, rounds) for each accepted length 0..`single`, summed over each band past it."""
+    if not hist:
+        return []
+    return [("0", hist[0])] + [
+        (_band_label(lo, hi), sum(hist[lo : hi + 1])) for lo, hi in _bands(len(hist) - 1, single)
+    ]
+
+
 def acceptance_by_position(rounds: Iterable[tuple[int, int]]) -> list[float | None]:
     """`by_position` over (k, accepted) rounds."""
     reached: Counter[int] = Counter()
@@ -351,6 +394,10 @@ class DecodeMetrics:
     def acceptance_by_position(self) -> list[float | None]:
         """Index i: acceptance at draft position i + 1, given the earlier drafts were accepted."""
         return by_position(self._reached, self._passed)
+
+    def acceptance_by_band(self) -> list[tuple[str, float | None]]:
+        """`position_bands`: positions one by one, pooled past SINGLE_POSITIONS."""
+        return position_bands(self._reached, self._passed)
 
     def accepted_length_histogram(self) -> list[int]:
         """Index n: speculative rounds in which exactly n drafts were accepted."""

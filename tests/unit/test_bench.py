@@ -16,7 +16,14 @@ from specchat.engine.config import Mode
 from specchat.engine.decode.session import ChatSession
 from specchat.engine.errors import OutOfMemoryError, QuantizationError
 from specchat.engine.events import Provenance, RoundEvent, TokenEvent
-from specchat.engine.metrics import DecodeMetrics, acceptance_by_position, first_divergence
+from specchat.engine.metrics import (
+    DecodeMetrics,
+    acceptance_by_position,
+    count_round,
+    first_divergence,
+    length_bands,
+    position_bands,
+)
 from specchat.engine.tools.bench import (
     BenchConfig,
     BenchPrompt,
@@ -115,6 +122,26 @@ def test_interleaved_order_visits_prompts_within_each_repeat() -> None:
 
 
 # -- acceptance ---------------------------------------------------------------------
+
+
+def test_positions_past_eight_are_pooled_in_doubling_bands() -> None:
+    reached: Counter[int] = Counter()
+    passed: Counter[int] = Counter()
+    for k, accepted in [(31, 31), (16, 12), (4, 4)]:
+        count_round(reached, passed, k, accepted)
+    bands = position_bands(reached, passed)
+    assert [label for label, _ in bands] == [*map(str, range(1, 9)), "9-16", "17-31"]
+    assert bands[0] == ("1", 1.0)
+    # 9-16: reached by the 31 (8 drafts, all accepted) and the 16 (positions 9-13 reached,
+    # 9-12 accepted): 12 of 13
+    assert bands[8] == ("9-16", 12 / 13)
+    assert bands[9] == ("17-31", 1.0)
+    assert position_bands(Counter(), Counter()) == []
+    hist = [1, 0, 2] + [0] * 8 + [3] + [0] * 19 + [4]  # lengths 0, 2, 11, 31
+    assert length_bands(hist) == [
+        ("0", 1), ("1", 0), ("2", 2), *[(str(n), 0) for n in range(3, 9)], ("9-16", 3), ("17-31", 4)
+    ]
+    assert length_bands([2, 1]) == [("0", 2), ("1", 1)]
 
 
 def test_acceptance_by_position_hand_computed() -> None:

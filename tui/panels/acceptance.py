@@ -5,16 +5,19 @@ from __future__ import annotations
 from rich.console import Group
 from rich.text import Text
 
+from specchat.engine.metrics import length_bands
+
 from .base import Panel, bar, histogram, key_values, pct
 
 
-def _position_bars(title: str, rates: list[float | None]) -> list[object]:
-    """A titled bar per draft position (none without rates)."""
+def _position_bars(title: str, rates: list[tuple[str, float | None]]) -> list[object]:
+    """A titled bar per draft position or band of positions (none without rates)."""
     if not rates:
         return []
+    width = max(3, *(len(label) for label, _ in rates))
     lines = Text()
-    for i, rate in enumerate(rates, 1):
-        lines.append(f"{i:>3} {bar(rate)} {pct(rate):>5}\n")
+    for label, rate in rates:
+        lines.append(f"{label:>{width}} {bar(rate)} {pct(rate):>5}\n")
     lines.rstrip()
     return [Text(title, style="bold"), lines]
 
@@ -49,11 +52,11 @@ class AcceptancePanel(Panel):
         fb = m.last_fallback
         rows.append(("fallback", "none" if fb is None else f"round {fb[0]}: {fb[1]}"))
         parts: list[object] = [key_values(rows)]
-        parts += _position_bars("by draft position", m.acceptance_by_position())
-        hist = m.accepted_length_histogram()
+        parts += _position_bars("by draft position", m.acceptance_by_band())
+        hist = length_bands(m.accepted_length_histogram())
         if hist:
             parts.append(Text("accepted per round", style="bold"))
-            parts.append(histogram([(str(n), c) for n, c in enumerate(hist)]))
+            parts.append(histogram(hist))
         return Group(*parts)  # type: ignore[arg-type]
 
     def _render_server(self) -> Group:
@@ -77,5 +80,6 @@ class AcceptancePanel(Panel):
             rows.append(("session", f"{pct(m.server_accepted / m.server_drafted, 1)} "
                                     f"({m.server_accepted}/{m.server_drafted})"))  # fmt: skip
         parts: list[object] = [key_values(rows)]
-        parts += _position_bars("accepted at position, of all drafts", list(s.by_position()))
+        by_pos = [(str(i), r) for i, r in enumerate(s.by_position(), 1)]
+        parts += _position_bars("accepted at position, of all drafts", by_pos)
         return Group(*parts)  # type: ignore[arg-type]
