@@ -79,7 +79,7 @@ from .state import ChatState, ReplyComparison
 from .widgets.help import HelpScreen
 from .widgets.inspector import Inspector
 from .widgets.legend import Legend
-from .widgets.prompt import PromptInput
+from .widgets.prompt import PromptInput, unfold
 from .widgets.reply import ReplyView
 from .widgets.status import LoadView, StatusLine, describe_decode, describe_progress
 from .widgets.tokens import visible
@@ -271,7 +271,7 @@ class SpecChatApp(App[None]):
 
     @on(PromptInput.Submitted)
     def _on_submit(self, event: PromptInput.Submitted) -> None:
-        prompt = event.value.strip()
+        prompt = unfold(event.value).strip()
         if not prompt:
             return
         prompt_input = self.query_one(PromptInput)

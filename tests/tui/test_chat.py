@@ -9,6 +9,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.text import Text
+from textual import events
 from textual.color import Color
 from textual.widgets import ProgressBar
 from tui_helpers import (
@@ -423,6 +424,27 @@ async def test_history_and_failed_turns_keep_the_prompt() -> None:
         assert prompt.value == "boom"
         await pilot.press("down", "down")
         assert prompt.value in ("", "second")  # back to the (restored) draft
+
+
+async def test_a_pasted_text_is_sent_with_every_line() -> None:
+    session = ReplaySession(TRACE)
+    app = make_app(session)
+    code = "Rename cnt to count:\n\ndef f(text):\n    cnt = {}\r\n    return cnt\n"
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        prompt = app.query_one(PromptInput)
+        await pilot.press(*"see: ")
+        app.post_message(events.Paste(code))
+        await pilot.pause()
+        assert prompt.value == "see: Rename cnt to count:↵↵def f(text):↵    cnt = {}↵    return cnt↵"
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: app._busy is None)
+        want = "see: Rename cnt to count:\n\ndef f(text):\n    cnt = {}\n    return cnt"
+        assert session.messages[0] == ("user", want)
+        assert prompt.value == "" and prompt.history == [want]
+        await pilot.press("up")
+        assert prompt.value == "see: Rename cnt to count:↵↵def f(text):↵    cnt = {}↵    return cnt"
+        assert prompt.prompt == want
 
 
 async def test_load_failure_is_a_message_not_a_traceback() -> None:

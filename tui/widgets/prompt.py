@@ -1,13 +1,31 @@
-"""The prompt line, with a history browsed by ↑ / ↓."""
+"""The prompt line, with a history browsed by ↑ / ↓.
+
+A pasted text keeps every line: the line shows each line break as ↵ and the
+prompt sent has them back (Textual's Input keeps a paste's first line only, and
+a chat about code is mostly pasted code)."""
 
 from __future__ import annotations
 
+from textual import events
 from textual.binding import Binding
 from textual.widgets import Input
 
+NEWLINE = "↵"  # a line break of the prompt, as the one-line input shows it
+
+
+def fold(prompt: str) -> str:
+    """The prompt as the line shows it: line breaks as NEWLINE."""
+    return prompt.replace("\r\n", "\n").replace("\r", "\n").replace("\n", NEWLINE)
+
+
+def unfold(line: str) -> str:
+    """The prompt a line holds: NEWLINE back to line breaks."""
+    return line.replace(NEWLINE, "\n")
+
 
 class PromptInput(Input):
-    """An Input that remembers what was sent (also failed and cancelled prompts)."""
+    """An Input that remembers what was sent (also failed and cancelled prompts), and keeps
+    every line of a paste. `value` is the line as shown; `prompt` the text it sends."""
 
     BINDINGS = [
         Binding("up", "history(-1)", "Older prompt", show=False),
@@ -20,6 +38,25 @@ class PromptInput(Input):
         self._index: int | None = None  # position while browsing
         self._draft = ""  # what was typed before browsing
         self._blink_held: bool | None = None  # cursor_blink before hold_still(True)
+
+    @property
+    def prompt(self) -> str:
+        return unfold(self.value)
+
+    def show(self, prompt: str) -> None:
+        """Put a prompt in the line, the cursor at its end."""
+        self.value = fold(prompt)
+        self.cursor_position = len(self.value)
+
+    def _on_paste(self, event: events.Paste) -> None:
+        event.prevent_default()  # Input's own handler would insert the first line again
+        if event.text:
+            text = fold(event.text)
+            if self.selection.is_empty:
+                self.insert_text_at_cursor(text)
+            else:
+                self.replace(text, *self.selection)
+        event.stop()
 
     def remember(self, prompt: str) -> None:
         """Add a prompt to the history (not twice in a row) and stop browsing."""
@@ -42,9 +79,9 @@ class PromptInput(Input):
         if self._index >= len(self.history):
             self._index = None
             self.value = self._draft
+            self.cursor_position = len(self.value)
         else:
-            self.value = self.history[self._index]
-        self.cursor_position = len(self.value)
+            self.show(self.history[self._index])
 
     def hold_still(self, still: bool) -> None:
         """Stop the cursor blinking while a reply streams (each blink is a frame on the UI thread); then as before."""
@@ -65,5 +102,4 @@ class PromptInput(Input):
     def restore(self, prompt: str) -> None:
         """Put a prompt back into an empty input (after a failed turn)."""
         if not self.value:
-            self.value = prompt
-            self.cursor_position = len(prompt)
+            self.show(prompt)
