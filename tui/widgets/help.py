@@ -23,9 +23,10 @@ def help_markdown(settings_path: str) -> str:
     return f"""\
 # specchat
 
-Type a prompt and press **enter**. **↑ / ↓** in the prompt browse what you
-sent before (failed and stopped prompts too). Every action is also in the
-command palette (**ctrl+p**).
+Type a prompt and press **enter**. A paste keeps all its lines: the prompt
+shows each line break as ↵ and sends it as one. **↑ / ↓** in the prompt browse
+what you sent before (failed and stopped prompts too). Every action is also in
+the command palette (**ctrl+p**).
 
 | key | action | |
 |---|---|---|
