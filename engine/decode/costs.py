@@ -106,7 +106,8 @@ def pass_timer(runner: ModelRunner, repeats: int) -> Callable[[int], float]:
     return median
 
 
-# The target's step, its 2-row verify and the draft's step are timed in this many turns.
+# The target's step, its 2-row and k+1-row verify passes and the draft's step are timed in
+# this many turns.
 COST_TURNS = 3
 
 # A catch-up pass is timed at load over this many rows and over one: the two points of
@@ -131,14 +132,21 @@ def measure_costs(target: ModelRunner, draft: ModelRunner, k: int = 4, repeats: 
     # c and v decide whether the draft runs at all, and timed one after the other on a
     # shared 2-core VM c came out 0.31 at one load and 0.38 at the next (docs/performance.md,
     # step 39).
-    steps, twos, drafts = [], [], []
+    # The k+1-row verify too: timed once, after them, it came out 2.38 steps at one load on a
+    # Zen 4 where the passes cost 1.6 (docs/performance.md, step 40), and the verify slope
+    # it gives prices every longer pass (a copier's runs, the draft's K).
+    steps, twos, blocks, drafts = [], [], [], []
     for _ in range(COST_TURNS):
         steps.append(on_target(1))
         twos.append(on_target(2))  # K=1: on a CPU often the best K
+        blocks.append(on_target(k + 1))
         drafts.append(on_draft(1))
-    step, verify_one = statistics.median(steps), statistics.median(twos)
+    step = statistics.median(steps)
+    # A pass over more rows does a step's work and more: a ratio under the one before it is
+    # the machine's drift between the timings (one load: verify K=1 at 0.91 steps).
+    verify_one = max(statistics.median(twos), step)
+    verify = max(statistics.median(blocks), verify_one)
     draft_step = statistics.median(drafts)
-    verify = on_target(k + 1)
     catch_up_row = max(0.0, (on_draft(CATCH_UP_ROWS) - draft_step) / (CATCH_UP_ROWS - 1))
     catch_up_pass = max(0.0, draft_step - catch_up_row)
     one_thread = None

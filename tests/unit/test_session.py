@@ -274,6 +274,37 @@ def test_measured_costs_leave_the_session_as_new(target: torch.nn.Module) -> Non
     )
 
 
+def test_costs_at_load_are_timed_in_turns_and_a_bigger_pass_never_costs_less(
+    target: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every timing of c and v in turns (drift hits them alike); a 2-row pass timed under a
+    step, or a k+1-row pass under the 2-row one, is the machine's drift and is floored."""
+    from specchat.engine.decode import costs as costs_mod
+
+    session = make(target)
+    calls: list[tuple[str, int]] = []
+    # ms by (model, rows): the 2-row pass under a step and the 4-row one under the 2-row one
+    scripted = {("target", 1): 100.0, ("target", 2): 91.0, ("target", 4): 85.0}
+
+    def timer(runner: object, repeats: int) -> object:
+        who = "target" if runner is session.target_runner else "draft"
+
+        def timed(n: int) -> float:
+            calls.append((who, n))
+            return scripted.get((who, n), 30.0 + n)
+
+        return timed
+
+    monkeypatch.setattr(costs_mod, "pass_timer", timer)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert session.drafter is not None
+    measured = costs_mod.measure_costs(session.target_runner, session.drafter.runner, k=3)
+    turn = [("target", 1), ("target", 2), ("target", 4), ("draft", 1)]
+    assert calls[: 3 * len(turn)] == turn * costs_mod.COST_TURNS
+    assert measured.verify_at == {1: 1.0, 3: 1.0}
+    assert measured.verify_slope == 0.0
+
+
 @pytest.fixture
 def two_threads() -> Iterator[None]:
     before = torch.get_num_threads()
