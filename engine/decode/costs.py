@@ -18,12 +18,11 @@ import torch
 
 from ..metrics import expected_speedup
 from ..model import native
-from ..model.attention import one_thread
 from ..model.eagle import EagleHead, HeadCache
 from ..model.runner import ModelRunner
 from .ahead import predict_ahead_ms
 from .sampling import argmax
-from .speculative import ModelDrafter
+from .speculative import ModelDrafter, on_logits
 
 
 @dataclass(slots=True)
@@ -128,13 +127,11 @@ def measure_costs(target: ModelRunner, draft: ModelRunner, k: int = 4, repeats: 
 
     on_target = timer(target)
     on_draft = timer(draft)
-    # The steps and a K=1 verify in turns, so drift in the machine's speed hits them alike:
-    # c and v decide whether the draft runs at all, and timed one after the other on a
-    # shared 2-core VM c came out 0.31 at one load and 0.38 at the next (docs/performance.md,
-    # step 39).
-    # The k+1-row verify too: timed once, after them, it came out 2.38 steps at one load on a
-    # Zen 4 where the passes cost 1.6 (docs/performance.md, step 40), and the verify slope
-    # it gives prices every longer pass (a copier's runs, the draft's K).
+    # The steps and both verify passes in turns, so drift in the machine's speed hits them
+    # alike: c and v decide whether the draft runs at all and how long a pass is worth. One
+    # after the other on a shared 2-core VM, c came out 0.31 at one load and 0.38 at the next
+    # (docs/performance.md, step 39), and the k+1-row verify, whose slope prices every longer
+    # pass, 2.38 steps where the passes cost 1.6 (step 40).
     steps, twos, blocks, drafts = [], [], [], []
     for _ in range(COST_TURNS):
         steps.append(on_target(1))
@@ -369,7 +366,7 @@ def measure_head_cost(
             sync()
             t0 = time.perf_counter()
             _out, logits = head.step(embed(tok).float(), state, cache)
-            with one_thread(dev.type == "cpu"):  # as the head's proposals fill the row
+            with on_logits(logits):  # as the head's proposals fill the row (HeadDrafter)
                 row = head.to_target_logits(logits)
             argmax(row).item()
             ms = (time.perf_counter() - t0) * 1e3

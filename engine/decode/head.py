@@ -18,12 +18,11 @@ from torch import Tensor, nn
 
 from ..config import DecodeConfig
 from ..errors import EngineError
-from ..model.attention import one_thread
 from ..model.eagle import EagleHead, HeadCache
 from ..model.eagle_io import find_head, for_decoding, load_head
 from ..model.runner import ModelRunner
 from ..weights.loading import LoadedModel
-from .speculative import ModelDrafter, Proposal, draft_chain
+from .speculative import ModelDrafter, Proposal, draft_chain, on_logits
 
 
 class HeadDrafter:
@@ -129,9 +128,9 @@ class HeadDrafter:
 
     def _target_row(self, logits: Tensor) -> Tensor:
         """The head's logits [1, Vd] as a row of the target's vocabulary [Vt], on one torch
-        thread on the CPU: filling 151,936 values woke a sleeping worker, 266 against 132 us
-        a drafted token on a Zen 3 (docs/performance.md, step 39)."""
-        with one_thread(logits.device.type == "cpu"):
+        thread on the CPU (`on_logits`): filling 151,936 values woke a sleeping worker, 266
+        against 132 us a drafted token on a Zen 3 (docs/performance.md, step 39)."""
+        with on_logits(logits):
             return self.head.to_target_logits(logits)[0]
 
     def rollback(self, n: int) -> None:

@@ -135,7 +135,7 @@ def draft_chain(
         if cfg.greedy:
             tok = argmax(logits).to(logits.device)
         else:
-            with _on_logits(logits):
+            with on_logits(logits):
                 p = logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
                 tok = sample(p, generator)
             probs.append(p)
@@ -242,7 +242,7 @@ def _now() -> float:
 ONE_THREAD_LOGITS = 1 << 21
 
 
-def _on_logits(logits: Tensor) -> AbstractContextManager[None]:
+def on_logits(logits: Tensor) -> AbstractContextManager[None]:
     """One torch thread for the work on these logits where that is cheaper (CPU, few rows)."""
     return one_thread(logits.device.type == "cpu" and logits.numel() <= ONE_THREAD_LOGITS)
 
@@ -253,7 +253,7 @@ def plain_step(
     """One target forward, one token (Provenance.TARGET)."""
     t0 = _now()
     logits = target.forward(seq, keep=1)[-1]  # [V]
-    with _on_logits(logits):
+    with on_logits(logits):
         if cfg.greedy:
             tok_t = argmax(logits).to(logits.device)
             p_t = token_probs(logits.view(1, -1), tok_t.view(1))[0]
@@ -313,7 +313,7 @@ def speculative_round(
     positions = torch.arange(k + 1, device=dev)
 
     # 3. Accept / resample / bonus, all on the device.
-    with _on_logits(target_logits):
+    with on_logits(target_logits):
         draft_logits = (
             align_vocab(prop.logits.to(dev), vocab) if prop.logits is not None else None
         )  # [k, V]
@@ -390,7 +390,7 @@ def _tree_round(
     target_logits = target.feed_tree(block, (-1, *(p + 1 for p in parents)))  # [n+1, V]
     assert prop.logits is not None
     draft_logits = align_vocab(prop.logits.to(dev), target_logits.shape[-1])  # [n, V]
-    with _on_logits(target_logits):
+    with on_logits(target_logits):
         ids = d.tolist()
         p_target_rows = p_draft_rows = None
         if cfg.greedy:
