@@ -939,6 +939,9 @@ class ChatSession:
         next_mode = turn.run_mode
         if speculative and controller.mode is not Mode.SPEC:
             next_mode = Mode.PLAIN
+        # The K the next round drafts: after a copy, the copier's, a run's included (a copy
+        # of 31 in a run showed as the planned 4 before).
+        planner = turn.copier if turn.copier is not None and res.drafter == LookupDrafter.name else controller
         return RoundEvent(
             round=turn.tally.rounds,
             mode=round_mode,
@@ -948,7 +951,7 @@ class ChatSession:
             verify_ms=res.verify_ms,
             fallback_reason=reason,
             next_mode=next_mode,
-            next_k=controller.k if speculative else None,
+            next_k=planner.run_k(planner.k) if speculative else None,
             target_step_ms=controller.costs.target_step_ms if speculative else None,
             drafter=res.drafter,
             siblings=res.siblings,

@@ -125,6 +125,12 @@ def test_a_loop_is_copied_in_runs_longer_than_the_planned_k(target: torch.nn.Mod
     ks = [e.k for e in events if isinstance(e, RoundEvent) and e.k]
     assert max(ks) > cfg.k_max, ks
     assert any(b == 2 * a for a, b in zip(ks, ks[1:], strict=False)), ks
+    # The panel's K is the one the next round drafts, a run's included (not the plan's);
+    # the reply's last round drafts only what the token budget leaves.
+    rounds = [e for e in events if isinstance(e, RoundEvent)]
+    long = [(a.next_k, b.k) for a, b in zip(rounds, rounds[1:], strict=False) if b.k > cfg.k_max]
+    assert len(long) >= 2 and all(said == ran for said, ran in long[:-1]), long
+    assert long[-1][0] >= long[-1][1], long
 
 
 def test_sampled_lookup_follows_the_target_distribution() -> None:
