@@ -256,8 +256,8 @@ class AheadCosts:
         else:
             verdict = f"the draft runs ahead on a core of its own where acceptance is {start:.2f}+"
         return (
-            f"{verdict}: {ahead:.1f} against {serial:.1f} ms a token predicted at "
-            f"α={AHEAD_ALPHA}; beside the draft the target's step takes {beside:.1f} ms "
+            f"{verdict}: a token predicted at α={AHEAD_ALPHA} to take {serial:.1f} ms serially, "
+            f"{ahead:.1f} ms with the draft ahead; beside the draft the target's step takes {beside:.1f} ms "
             f"({self.alone_ms:.1f} alone), verify K=1: {self.costs.verify_ratio(1):.2f}, "
             f"K=4: {self.costs.verify_ratio(4):.2f} steps; the draft's step {self.draft_ms:.1f} ms"
         )

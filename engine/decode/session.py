@@ -906,7 +906,10 @@ class ChatSession:
                 "fewer than one draft in two (the draft does not keep up on this machine)"
             )
         way = "the draft runs ahead on its own core" if want else "the draft drafts, then the target verifies"
-        return f"{way}: α={alpha:.2f}, {ahead_ms:.1f} against {serial_ms:.1f} ms a token predicted"
+        return (
+            f"{way}: α={alpha:.2f}, a token predicted to take {serial_ms:.1f} ms serially, "
+            f"{ahead_ms:.1f} ms with the draft ahead"
+        )
 
     def _emit(self, turn: Turn, res: RoundResult) -> Generator[Event, None, str | None]:
         """Append the round's tokens and stream their events; "eos" or "stop_string" if one ends

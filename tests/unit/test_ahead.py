@@ -188,6 +188,9 @@ def test_the_load_decides_from_its_prediction_and_says_so(
     assert session.drafts_ahead is want
     note = next(n for n in session.ready.notes if "a token predicted" in n)
     assert note.startswith("the draft runs ahead" if want else "the draft drafts, then")
+    # Each figure next to the way it belongs to (one read "serial: <ahead's> against <serial's>").
+    serial, ahead = figures.at(costs_module.AHEAD_ALPHA)
+    assert f"{serial:.1f} ms serially, {ahead:.1f} ms with the draft ahead" in note, note
     assert ("SPECCHAT_AHEAD" in note) is (forced != "auto")
     assert session.tokens == [] and session.target_runner.cached == 0
 
