@@ -295,6 +295,12 @@ def test_summarize_pairs_ratios_within_blocks_and_reports_unavailable_modes() ->
     summarize(result)
     s = result.summary
     assert s["spec"]["speedup_vs_plain"] == {"median": 1.5, "min": 1.5, "max": 1.5}
+    # After the first token (0.1 s in every run): blocks 0 and 1 decode 3 tokens in 0.3 s
+    # against 0.167 s, and 0.1 against 0.033 (block 2's replies end with their first token).
+    assert s["spec"]["decode_speedup_vs_plain"] == pytest.approx(
+        {"median": 2.4, "min": 1.8, "max": 3.0}
+    )
+    assert s["plain"]["decode_speedup_vs_plain"]["median"] == pytest.approx(1.0)
     assert s["spec"]["tokens_per_s"] == {"median": 30.0, "min": 15.0, "max": 60.0}
     assert s["spec"]["acceptance_rate"] == 0.75
     assert s["spec"]["mean_accepted_length"] == 4.0

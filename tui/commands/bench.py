@@ -505,12 +505,13 @@ def print_result(data: dict[str, Any], console: Any) -> None:
         reference is not None and reference != hf_gen and not (not several and reference == "plain")
     )
     ratio_notes = ["×plain: against the plain arm of the same config"] if several else []
+    ratio_notes.append("decode: ×plain after each reply's first token (the prefill is every arm's alike)")
     if show_ref:
         ratio_notes.append(f"×ref: against {reference}")
     first = "arm" if several else "mode"
     speed = _table(
         "speed (medians over runs; ratios paired within each block)",
-        [first, "tok/s", "range", "×plain", "×hf-gen", *(["×ref"] if show_ref else []),
+        [first, "tok/s", "range", "×plain", "decode", "×hf-gen", *(["×ref"] if show_ref else []),
          "TTFT ms", "p50 ms", "p95 ms", "RSS MB", "=plain"],
     )  # fmt: skip
     decoding = _table(
@@ -531,6 +532,7 @@ def print_result(data: dict[str, Any], console: Any) -> None:
             _speed(tps["median"]),
             f"{_speed(tps['min'])}-{_speed(tps['max'])}",
             _ratio(f.get("speedup_vs_plain")),
+            _ratio(f.get("decode_speedup_vs_plain")),
             _ratio(f.get("speedup_vs_hf-generate")),
             *ref_cell,
             _num(f["ttft_s"] * 1e3 if f["ttft_s"] is not None else None, "{:.0f}"),
