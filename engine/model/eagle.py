@@ -11,7 +11,8 @@ computed for token x_j) and the embedding of the next token x_{j+1}, and
 predicts x_{j+2}:
 
     e = input_layernorm(embed(x_{j+1}))          # [S, H], the target's embedding
-    g = fc(f_j)                                  # [S, 3*Ht] -> [S, H]; a later draft step
+    g = fc(f_j)                                  # [S, 3*Ht] -> [S, H] (fc_norm: each of the
+                                                 #   three Ht parts RMS-normed first); a later draft step
                                                  #   passes the head's own output instead
     r = hidden_norm(g)                           # residual: r (norm_before_residual) or g
     h = r_or_g + attn(cat(e, r))                 # q/k/v read 2H, the head's own KV cache
@@ -24,7 +25,8 @@ speculative sampling exact (the residual covers them).
 
 Names and layout are the `speculators` EAGLE-3 checkpoint's (what
 `vllm serve --speculative-config '{"method": "eagle3", ...}'` reads):
-`fc.weight`, `layers.0.*`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`;
+`fc.weight`, `fc_norm.{i}.weight` (with `fc_norm`), `layers.0.*`, `norm.weight`,
+`lm_head.weight`, `d2t`, `t2d`;
 the embedding is the verifier's and is not saved (engine/model/eagle_io.py).
 """
 
@@ -56,6 +58,10 @@ class HeadConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 32768
     norm_before_residual: bool = True
+    # Each feature layer RMS-normed on its own before fc (speculators' `fc_norm`): the
+    # residual stream entering the 1.5B's layer L-3 has a median RMS of 3.5 against 0.5
+    # entering layer 2, so without it fc sees the high layer's scale (docs/draft-head.md).
+    fc_norm: bool = False
     target_name: str = ""
     target_sha256: str = ""  # the weights the head was trained on ("" unknown)
 
@@ -73,6 +79,7 @@ class HeadConfig:
         intermediate: int | None = None,
         target_name: str = "",
         target_sha256: str = "",
+        fc_norm: bool = False,
     ) -> HeadConfig:
         """A head of the target's width, its attention shape and rotary base."""
         layers = int(config.num_hidden_layers)
@@ -92,6 +99,7 @@ class HeadConfig:
             rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
             rope_theta=float(_rope_theta(config)),
             max_position_embeddings=int(getattr(config, "max_position_embeddings", 32768)),
+            fc_norm=fc_norm,
             target_name=target_name,
             target_sha256=target_sha256,
         )
@@ -250,6 +258,11 @@ class EagleHead(nn.Module):
         super().__init__()
         self.config = c
         self.fc = nn.Linear(len(c.aux_layers) * c.target_hidden_size, c.hidden_size, bias=False)
+        self.fc_norm = (
+            nn.ModuleList(RMSNorm(c.target_hidden_size, c.rms_norm_eps) for _ in c.aux_layers)
+            if c.fc_norm
+            else None
+        )
         self.layers = nn.ModuleList([Layer(c)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
@@ -303,8 +316,12 @@ class EagleHead(nn.Module):
         return emb.cos(), emb.sin()
 
     def features(self, hidden: Tensor) -> Tensor:
-        """The target's fused features [S, 3*Ht] -> [S, H]; the head's own outputs pass as they are."""
+        """The target's fused features [S, 3*Ht] -> [S, H] (each layer's normed first, with
+        fc_norm); the head's own outputs pass as they are."""
         if hidden.shape[-1] == self.fc.in_features:
+            if self.fc_norm is not None:
+                parts = hidden.split(self.config.target_hidden_size, dim=-1)
+                hidden = torch.cat([norm(p) for norm, p in zip(self.fc_norm, parts, strict=True)], dim=-1)
             out: Tensor = self.fc(hidden)
             return out
         return hidden

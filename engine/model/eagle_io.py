@@ -10,7 +10,10 @@ A head folder holds:
   `eagle_aux_hidden_state_layer_ids`, and `speculators_config` (`algorithm`,
   one greedy `proposal_methods` entry with `speculative_tokens`,
   `default_proposal_method`, `verifier` {`name_or_path`, `architectures`}:
-  vLLM requires the verifier's name).
+  vLLM requires the verifier's name), and `fc_norm` (each feature layer
+  RMS-normed before `fc`, weights `fc_norm.{i}.weight` [Ht]: a field of
+  speculators' trainer and of SGLang-derived servers; a server that does not
+  know it would run such a head without the norms).
 - `model.safetensors`: `fc.weight` [H, 3 Ht], `layers.0.*` (q/k/v read 2H),
   `norm.weight`, `lm_head.weight` [Vd, H], `d2t` int64 [Vd], `t2d` bool [Vt].
   No `embed_tokens.weight`: the verifier's embedding is used, as vLLM does
@@ -64,6 +67,7 @@ def speculators_config(c: HeadConfig, verifier_architectures: list[str] | None =
         },
         "draft_vocab_size": c.draft_vocab_size,
         "norm_before_residual": c.norm_before_residual,
+        "fc_norm": c.fc_norm,
         "target_hidden_size": c.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),
         "speculators_config": {
@@ -121,6 +125,7 @@ def config_from_speculators(raw: dict[str, Any], num_target_layers: int | None =
         rope_theta=float(theta),
         max_position_embeddings=int(layer.get("max_position_embeddings", 32768)),
         norm_before_residual=bool(raw.get("norm_before_residual", True)),  # vLLM's reading
+        fc_norm=bool(raw.get("fc_norm", False)),
         target_name=str(verifier.get("name_or_path") or ""),
     )
 

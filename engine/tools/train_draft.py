@@ -100,6 +100,9 @@ class TrainOptions:
     # for 15 minutes, and 0.5 for half an hour on a memorizing head, left held out where it
     # was (docs/draft-head.md, "Memorizing"): off by default.
     feature_noise: float = 0.0
+    # Each feature layer RMS-normed before fc (HeadConfig.fc_norm): opt-in until it is
+    # measured to lift held-out acceptance (docs/draft-head.md, "Feature layers normed").
+    fc_norm: bool = False
     max_steps: int | None = None  # tests: stop after this many optimizer steps
     max_texts: int = 4000  # standard-library answers at most
     collect: bool = True  # False: train on what an earlier run collected (work/data/) only
@@ -339,6 +342,7 @@ def new_config(target: LoadedModel, opts: TrainOptions, draft_vocab: int, sha: s
         intermediate=opts.intermediate or min(int(config.intermediate_size), 2 * int(config.hidden_size)),
         target_name=target.info.source,
         target_sha256=sha,
+        fc_norm=opts.fc_norm,
     )
 
 
@@ -724,11 +728,11 @@ def train(
     if ckpt is not None:
         saved = HeadConfig(**{**ckpt["config"], "aux_layers": tuple(ckpt["config"]["aux_layers"])})
         wanted = new_config(target, opts, saved.draft_vocab_size, sha)
-        if (saved.intermediate_size, saved.draft_vocab_size) != (
-            wanted.intermediate_size, min(opts.draft_vocab, saved.target_vocab_size)
+        if (saved.intermediate_size, saved.draft_vocab_size, saved.fc_norm) != (
+            wanted.intermediate_size, min(opts.draft_vocab, saved.target_vocab_size), wanted.fc_norm
         ):
-            tell("the checkpoint has another shape than asked for (--head-vocab, --intermediate): "
-                 "training a new head")
+            tell("the checkpoint has another shape than asked for (--head-vocab, --intermediate, "
+                 "--fc-norm): training a new head")
             ckpt = None
         else:
             head = EagleHead(saved)

@@ -50,9 +50,14 @@ def trained(target, tmp_path_factory):  # type: ignore[no-untyped-def]
     return tgt, opts, train(tgt, opts)
 
 
-def random_head(target: torch.nn.Module, seed: int = 0, vocab: int = 40) -> EagleHead:
-    c = HeadConfig.for_target(target.config, draft_vocab=vocab, target_sha256="")
+def random_head(
+    target: torch.nn.Module, seed: int = 0, vocab: int = 40, fc_norm: bool = False
+) -> EagleHead:
+    c = HeadConfig.for_target(target.config, draft_vocab=vocab, target_sha256="", fc_norm=fc_norm)
     head = init_head(EagleHead(c), seed)
+    if head.fc_norm is not None:  # norms of their own, not ones: a load that drops them shows
+        for i, norm in enumerate(head.fc_norm):
+            norm.weight.data.fill_(0.5 + i)
     head.set_vocab(torch.arange(0, 2 * vocab, 2))  # every other id: some ids have p_draft = 0
     return head.eval().requires_grad_(False)
 
@@ -179,6 +184,34 @@ def test_save_load_gives_identical_logits_in_the_speculators_layout(target, tmp_
     b = back.step(embeds, feats, HeadCache())[1]
     assert torch.equal(a, b)
     assert torch.equal(head.d2t, back.d2t) and torch.equal(head.t2d, back.t2d)
+
+
+def test_fc_norm_norms_each_feature_layer_and_round_trips(target, tmp_path: Path) -> None:
+    """With fc_norm each feature layer reaches fc at its own RMS (a layer scaled by 10
+    gives the same drafts); the config field and the norms' weights survive a save."""
+    head = random_head(target, seed=5, fc_norm=True)
+    torch.manual_seed(0)
+    ht = head.config.target_hidden_size
+    feats = torch.randn(6, head.fc.in_features)
+    embeds = torch.randn(6, head.config.hidden_size)
+    louder = feats.clone()
+    louder[:, ht : 2 * ht] *= 10.0  # the middle layer's residual stream, ten times larger
+    a = head.step(embeds, feats, HeadCache())[1]
+    torch.testing.assert_close(head.step(embeds, louder, HeadCache())[1], a, rtol=1e-4, atol=1e-4)
+    plain = random_head(target, seed=5)  # the same weights but fc, without the norms
+    assert not torch.allclose(plain.step(embeds, louder, HeadCache())[1], plain.step(embeds, feats, HeadCache())[1])
+    save_head(head, tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["fc_norm"] is True and config_from_speculators(raw).fc_norm
+    assert {f"fc_norm.{i}.weight" for i in range(3)} <= set(load_file(str(tmp_path / "model.safetensors")))
+    back = load_head(tmp_path, target_config=target.config)
+    assert torch.equal(back.step(embeds, feats, HeadCache())[1], a)
+
+
+def test_greedy_eagle_with_fc_norm_equals_plain(target) -> None:
+    cfg = DecodeConfig(mode=Mode.EAGLE, max_new_tokens=24, k=3)
+    plain = tokens(list(session(target, None).stream(PROMPT, cfg.with_(mode=Mode.PLAIN))))
+    assert tokens(list(session(target, random_head(target, fc_norm=True)).stream(PROMPT, cfg))) == plain
 
 
 def test_published_names_load_midlayer_and_no_t2d(target, tmp_path: Path) -> None:

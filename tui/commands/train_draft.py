@@ -79,6 +79,12 @@ def add_parser(sub: Any) -> None:
         "RMS (default 0)",
     )
     p.add_argument(
+        "--fc-norm",
+        action="store_true",
+        help="RMS-norm each of the target's feature layers before the head's fusion layer "
+        "(speculators' fc_norm; default off)",
+    )
+    p.add_argument(
         "--no-collect",
         dest="collect",
         action="store_false",
@@ -147,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
                 reply_weight=args.reply_weight,
                 reply_rounds=args.reply_rounds,
                 feature_noise=args.feature_noise,
+                fc_norm=args.fc_norm,
                 collect=args.collect,
                 seed=args.seed,
                 out=args.out,
