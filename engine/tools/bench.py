@@ -668,16 +668,16 @@ def summarize(result: BenchResult) -> None:
 
     def table(records: list[RunRecord]) -> dict[str, dict[str, Any]]:
         by_arm = {a: [r for r in records if r.arm == a] for a in result.arms}
-        tps = {
-            a: {r.block: r.tokens_per_s for r in rs if r.tokens_per_s is not None}
-            for a, rs in by_arm.items()
-        }
+
+        def per_block(speed: Callable[[RunRecord], float | None]) -> dict[str, dict[int, float]]:
+            return {
+                a: {r.block: v for r in rs if (v := speed(r)) is not None} for a, rs in by_arm.items()
+            }
+
+        tps = per_block(lambda r: r.tokens_per_s)
         # After the first token: the prefill is every arm's alike, so this is what the
         # decoding alone gains (on the code edits a fifth of a reply is its first token).
-        decode_tps = {
-            a: {r.block: r.decode_tokens_per_s for r in rs if r.decode_tokens_per_s is not None}
-            for a, rs in by_arm.items()
-        }
+        decode_tps = per_block(lambda r: r.decode_tokens_per_s)
         tokens = {a: {r.block: r.tokens for r in rs if r.ok} for a, rs in by_arm.items()}
         texts = {a: {r.block: r.text for r in rs if r.ok} for a, rs in by_arm.items()}
         out: dict[str, dict[str, Any]] = {}
