@@ -175,35 +175,62 @@ def measure_costs(target: ModelRunner, draft: ModelRunner, k: int = 4, repeats: 
 # costs a few percent of a 2-row pass, so the bar is low: the medians of 6 turns (~1 s of a
 # 1.5B's load) tell Zen 4's 6% apart, one pass at a time does not.
 TWO_ROWS_GAIN = 0.99
+# One-row calls (every plain step and every draft step) leave the AVX2 code for the VNNI
+# code only where that makes the target's step and the draft's together faster than this
+# share of their time on the AVX2 code. On Zen 4 the two are within 2% at one row
+# (docs/performance.md, step 22); on an AMX Xeon the VNNI code is faster there too: the
+# 0.5B draft's step 18.3 -> 16.8 ms, the 1.5B's 55.4 -> 53.5 (step 42).
+ONE_ROW_GAIN = 0.98
 
 
-def choose_vnni_rows(target: ModelRunner, repeats: int = 1, turns: int = 6) -> str | None:
-    """On the w4a8 kernel's VNNI or AMX path, time the target's 2-row passes (a K=1 verify)
-    with the VNNI code and with the AVX2 code, in turns so drift in the machine's speed
-    hits both alike; where the AVX2 code is clearly faster (Zen 4: 1.10 against 1.16
-    steps), 2-row calls keep it from now on (`native.w4a8_set_vnni_min_rows`). Returns
-    what was chosen, for Ready, or None where nothing was measured (another path)."""
+def choose_vnni_rows(
+    target: ModelRunner, draft: ModelRunner | None = None, repeats: int = 1, turns: int = 6
+) -> str | None:
+    """On the w4a8 kernel's VNNI or AMX path, choose the fewest rows a call on several
+    threads takes the VNNI code from, by timing both codes in turns (so drift in the
+    machine's speed hits both alike): one-row steps of the target and the draft (where
+    there is one) move to the VNNI code where it is clearly faster (an AMX Xeon); else
+    2-row passes (a K=1 verify) keep the AVX2 code where that is clearly faster (Zen 4:
+    1.10 against 1.16 steps). From then on `native.w4a8_set_vnni_min_rows` says it.
+    Returns what was chosen, for Ready, or None where nothing was measured (another path)."""
     if native.w4a8_path() not in ("avx512vnni", "amx"):
         return None
-    timed = pass_timer(target, repeats)
     least = native.W4A8_VNNI_MIN_ROWS
-    vnni, avx2 = [], []
+    runners = [target] if draft is None else [target, draft]
+    timers = [pass_timer(runner, repeats) for runner in runners]
+    one_vnni: list[float] = []
+    one_avx2: list[float] = []
+    vnni: list[float] = []
+    avx2: list[float] = []
     try:
         for _ in range(turns):
+            native.w4a8_set_vnni_min_rows(1)
+            one_vnni.append(sum(timed(1) for timed in timers))
             native.w4a8_set_vnni_min_rows(least)
-            vnni.append(timed(2))
+            one_avx2.append(sum(timed(1) for timed in timers))
+        on_vnni, on_avx2 = statistics.median(one_vnni), statistics.median(one_avx2)
+        steps = "the target's and the draft's one-row steps" if draft else "one-row steps"
+        if on_vnni < on_avx2 * ONE_ROW_GAIN:
+            why = f"from one row, measured faster: {steps} {on_vnni:.1f} against {on_avx2:.1f} ms"
+            native.w4a8_set_vnni_min_rows(1, why)
+            return why
+        ones = f"{steps} {on_avx2:.1f} ms on the AVX2 code, {on_vnni:.1f} on it"
+        for _ in range(turns):
+            native.w4a8_set_vnni_min_rows(least)
+            vnni.append(timers[0](2))
             native.w4a8_set_vnni_min_rows(max(least, 3))
-            avx2.append(timed(2))
+            avx2.append(timers[0](2))
     finally:
-        target.reset()
+        for runner in runners:
+            runner.reset()
     on_vnni, on_avx2 = statistics.median(vnni), statistics.median(avx2)
     if on_avx2 < on_vnni * TWO_ROWS_GAIN:
         why = f"2-row blocks on the AVX2 code, measured faster: {on_avx2:.1f} against {on_vnni:.1f} ms"
-        native.w4a8_set_vnni_min_rows(max(least, 3), why)
+        native.w4a8_set_vnni_min_rows(max(least, 3), f"{ones}; {why}")
     else:
         why = f"2-row blocks measured {on_vnni:.1f} ms on it, {on_avx2:.1f} on the AVX2 code"
-        native.w4a8_set_vnni_min_rows(least, why)
-    return why
+        native.w4a8_set_vnni_min_rows(least, f"{ones}; {why}")
+    return f"{ones}; {why}"
 
 
 # Whether the draft runs ahead on a core of its own (decode/ahead.py) is decided round by round

@@ -276,7 +276,7 @@ class ChatSession:
             return self.costs
         scratch = ModelRunner(self.draft.model, self.draft.device)
         if self._picks_vnni_rows():
-            choose_vnni_rows(self.target_runner)
+            choose_vnni_rows(self.target_runner, scratch)
         self.costs = measure_costs(self.target_runner, scratch, k, repeats)
         if isinstance(self.drafter, ModelDrafter):
             self.drafter.runner.steps_on_one_thread = self.costs.draft_one_thread is not None
