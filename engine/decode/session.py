@@ -290,12 +290,13 @@ class ChatSession:
         return self.costs
 
     def _picks_vnni_rows(self) -> bool:
-        """Whether the load times the w4a8 kernel's 2-row calls both ways: a w4a8 target on
-        the CPU, the kernel's path chosen automatically ($SPECCHAT_W4A8 names none)."""
+        """Whether the load times the w4a8 kernel's short calls both ways: a w4a8 target on
+        the CPU, the kernel's path chosen automatically (neither $SPECCHAT_W4A8 nor a bench
+        config's ~PATH names one)."""
         return (
             self.target.device.type == "cpu"
             and self.target.info.quant in W4A8_MODES
-            and native.w4a8_default().strip().lower() in ("", "auto")
+            and native.w4a8_auto()
         )
 
     def set_ahead(self, way: bool | str) -> None:

@@ -172,9 +172,22 @@ def _set_w4a8(
     torch.ops.specchat.w4a8_set_path(
         W4A8_PATHS[path], vnni_min_rows, vnni_min_rows_one_thread, amx_min_rows
     )
-    _w4a8_path.update(path=path, why=why)
+    auto = requested.strip().lower() in ("", "auto")
+    _w4a8_path.update(path=path, why=why, auto="yes" if auto else "")
     _w4a8_rows.update(vnni=vnni_min_rows, one=vnni_min_rows_one_thread, why="")
     return path
+
+
+def w4a8_auto() -> bool:
+    """Whether the kernel's path was chosen from this CPU (nothing named one), so a load may
+    also choose from which rows its calls take the VNNI code (decode/costs.py)."""
+    return bool(_w4a8_path.get("auto"))
+
+
+def w4a8_vnni_rows() -> tuple[int, str]:
+    """The fewest rows a call on several threads takes the VNNI code from, and why (what a
+    load measured), to put back with `w4a8_set_vnni_min_rows`."""
+    return int(_w4a8_rows.get("vnni", W4A8_VNNI_MIN_ROWS)), str(_w4a8_rows.get("why", ""))
 
 
 def w4a8_set_vnni_min_rows(rows: int, why: str = "") -> None:

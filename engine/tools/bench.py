@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..config import DecodeConfig, Mode
+from ..config import W4A8_MODES, DecodeConfig, Mode
 from ..errors import EngineError, OutOfMemoryError
 from ..events import to_dict
 from ..metrics import acceptance_by_position, percentile
@@ -196,6 +196,7 @@ def environment(session: ChatSession) -> dict[str, Any]:
         "cpu": cpu_name(),
         "cpu_features": cpu.features().summary(),
         "w4a8_path": native.w4a8_path(),  # None where no w4a8 kernel is loaded
+        "w4a8_kernel": native.w4a8_describe(),  # its path and rows, and what the load measured
         "cuda": None,
     }
     if dev.type == "cuda":
@@ -234,6 +235,9 @@ class BenchConfig:
     session: ChatSession
     spec: ConfigSpec | None = None
     load: dict[str, Any] = field(default_factory=dict)  # seconds, RSS before and after loading
+    # The w4a8 kernel's fewest rows for its VNNI code and why, as this config's load chose
+    # them (None: no w4a8 kernel loaded); put back before each of its runs.
+    vnni_rows: tuple[int, str] | None = None
 
 
 def session_label(session: ChatSession) -> str:
@@ -248,13 +252,16 @@ def _rss_bytes() -> int | None:
     return int(psutil.Process(os.getpid()).memory_info().rss)
 
 
-def use_w4a8_path(spec: ConfigSpec | None) -> None:
+def use_w4a8_path(spec: ConfigSpec | None, vnni_rows: tuple[int, str] | None = None) -> None:
     """The w4a8 kernel's path for a config's runs: its ~PATH, else $SPECCHAT_W4A8's or this
-    CPU's choice. Only where a path is named or the kernel is loaded (a run without w4a8
-    builds nothing)."""
+    CPU's choice, with the rows its load chose for the VNNI code (`vnni_rows`, where it
+    chose). Only where a path is named or the kernel is loaded (a run without w4a8 builds
+    nothing)."""
     want = spec.w4a8_path if spec is not None else None
     if want or native.w4a8_path() is not None:
         native.w4a8_use(want or native.w4a8_default())
+        if vnni_rows is not None:
+            native.w4a8_set_vnni_min_rows(*vnni_rows)
 
 
 def load_configs(
@@ -304,6 +311,7 @@ def load_configs(
                     "rss_before_bytes": before,
                     "rss_after_bytes": after,
                 },
+                native.w4a8_vnni_rows() if session.target.info.quant in W4A8_MODES else None,
             )
         )
     return out
@@ -328,6 +336,9 @@ def config_record(bc: BenchConfig) -> dict[str, Any]:
             "peak_rss_bytes": None,
         },
         "load": bc.load,
+        "w4a8_vnni_rows": (
+            {"from": bc.vnni_rows[0], "why": bc.vnni_rows[1]} if bc.vnni_rows is not None else None
+        ),
     }
 
 
@@ -464,7 +475,7 @@ def run_bench(
     def one(arm: Arm, p: BenchPrompt, run_cfg: DecodeConfig, rec: RunRecord, s: int) -> RunRecord:
         ses = by_config[arm.config].session
         if paths:  # configs that name the w4a8 kernel's path: each run on its own
-            use_w4a8_path(by_config[arm.config].spec)
+            use_w4a8_path(by_config[arm.config].spec, by_config[arm.config].vnni_rows)
         fresh_conversation(ses, p, original_system[arm.config])
         run_cfg = run_cfg.with_(seed=s)
         if arm.mode == SERVER_ARM:

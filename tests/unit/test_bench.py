@@ -641,6 +641,15 @@ def test_bench_command_with_configs(
     assert "spec@int8/int4" in text and "×ref: against plain@none:bfloat16" in text
     assert "KV KB/tok" in text  # the per-config table
     assert main(["bench", "--show", str(out / "result.json")]) == 0
+    # Where a config's load chose the w4a8 kernel's rows, --show says so for that config.
+    assert [c["w4a8_vnni_rows"] for c in data["configs"]] == [None, None]  # no w4a8 here
+    data["configs"][1]["w4a8_vnni_rows"] = {"from": 1, "why": "from one row, measured faster"}
+    (out / "result.json").write_text(json.dumps(data), encoding="utf-8")
+    capsys.readouterr()
+    assert main(["bench", "--show", str(out / "result.json")]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "int8/int4: w4a8 VNNI code from 1 row: from one row, measured faster" in text
+    assert "none:bfloat16: w4a8" not in text
 
 
 @pytest.mark.parametrize(

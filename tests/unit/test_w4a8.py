@@ -8,6 +8,7 @@ more, summation order as ~1e-6.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -519,7 +520,6 @@ def test_where_the_os_refuses_amx_auto_takes_vnni_and_says_why(
 @needs_kernel
 def test_a_bad_path_in_the_environment_is_refused_at_load() -> None:
     """$SPECCHAT_W4A8 naming no path fails the kernel's load with the message, in a fresh process."""
-    import os
     import subprocess
     import sys
 
@@ -553,6 +553,28 @@ def test_a_bench_config_without_a_path_takes_the_environments(
     monkeypatch.setenv(native.W4A8_ENV, "avx2")
     use_w4a8_path(auto)
     assert native.w4a8_path() == "avx2"
+
+
+@needs_kernel
+def test_a_bench_config_s_runs_keep_the_rows_its_load_chose(path_restored: object) -> None:
+    """bench --configs w4a8,w4a8~avx2: switching to the other config's path resets the rows
+    the VNNI code starts from; the auto config's runs get back those its load measured,
+    and only a path chosen from the CPU lets a load choose them (Ready's line says it)."""
+    from specchat.engine.tools.bench import use_w4a8_path
+    from specchat.engine.tools.bench_runs import parse_config_spec
+
+    auto, avx2 = parse_config_spec("w4a8"), parse_config_spec("w4a8~avx2")
+    use_w4a8_path(auto)
+    assert native.w4a8_auto() == (os.environ.get(native.W4A8_ENV, "auto") in ("", "auto"))
+    native.w4a8_set_vnni_min_rows(1, "from one row, measured faster")
+    chosen = native.w4a8_vnni_rows()
+    use_w4a8_path(avx2)
+    assert not native.w4a8_auto()
+    assert native.w4a8_vnni_rows() == (native.W4A8_VNNI_MIN_ROWS, "")
+    use_w4a8_path(auto, chosen)
+    assert native.w4a8_vnni_rows() == (1, "from one row, measured faster")
+    if native.w4a8_path() != "avx2":
+        assert "from one row, measured faster" in str(native.w4a8_describe())
 
 
 def _fork_child_call(conn: object, x: torch.Tensor, packed: tuple[torch.Tensor, ...], n: int) -> None:

@@ -489,6 +489,13 @@ def print_result(data: dict[str, Any], console: Any) -> None:
         f"repeats, max_new_tokens {dec['max_new_tokens']}, temperature {dec['temperature']}, "
         f"seed {cfg['seed']}"
     )
+    for c in configs:  # where the w4a8 kernel's VNNI code starts, and what the load measured
+        rows = c.get("w4a8_vnni_rows")
+        if rows:
+            said = f": {rows['why']}" if rows.get("why") else ""
+            name = f"{c['label']}: " if several else ""
+            n = rows["from"]
+            console.print(f"{name}w4a8 VNNI code from {n} row{'s' if n != 1 else ''}{said}")
     for label, summary in (cfg.get("server") or {}).items():
         console.print(f"{label} arm: {summary}; its =plain compares text (a server sends no ids)")
     if several:
