@@ -177,9 +177,9 @@ def measure_costs(target: ModelRunner, draft: ModelRunner, k: int = 4, repeats: 
 TWO_ROWS_GAIN = 0.99
 # One-row calls (every plain step and every draft step) leave the AVX2 code for the VNNI
 # code only where that makes the target's step and the draft's together faster than this
-# share of their time on the AVX2 code. On Zen 4 the two are within 2% at one row
-# (docs/performance.md, step 22); on an AMX Xeon the VNNI code is faster there too: the
-# 0.5B draft's step 18.3 -> 16.8 ms, the 1.5B's 55.4 -> 53.5 (step 42).
+# share of their time on the AVX2 code. At one row the VNNI code is 8% slower for the 0.5B
+# on Zen 5 (docs/performance.md, step 23) and within 2% on Zen 4 (step 22), but faster on
+# an AMX Xeon: the 0.5B draft's step 18.3 -> 16.8 ms, the 1.5B's 55.4 -> 53.5 (step 42).
 ONE_ROW_GAIN = 0.98
 
 

@@ -116,10 +116,10 @@ def w4a8_choice(requested: str = "auto", have: cpu.CpuFeatures | None = None) ->
     return want, f"{W4A8_ENV}={want}"
 
 
-# One row takes the AVX2 code, same bits (w4a8.cpp): on Zen 4 the two codes are within 2%
-# there (docs/performance.md, step 22), but an AMX Xeon's one-row steps are 3-8% faster on
-# the VNNI code, so a session's load times them both ways and moves them where that is
-# clearly faster (step 42). From two rows up the VNNI code wins on Zen 5 (2-3-row verify blocks of the 1.5B ~10% faster: docs/performance.md,
+# One row takes the AVX2 code, same bits (w4a8.cpp): the VNNI code is 8% slower there for
+# the 0.5B on Zen 5 (docs/performance.md, step 23) and within 2% on Zen 4 (step 22), but an
+# AMX Xeon's one-row steps are 3-8% faster on it, so a session's load times them both ways
+# and moves them where that is clearly faster (step 42). From two rows up the VNNI code wins on Zen 5 (2-3-row verify blocks of the 1.5B ~10% faster: docs/performance.md,
 # step 23), but not on Zen 4, whose 512-bit instructions take two passes: there a 2-row block
 # costs 1.16 steps against the AVX2 code's 1.10, and 3 rows tie (step 34). So a session's
 # load times 2-row blocks both ways (decode/costs.py `choose_vnni_rows`) and keeps them on
