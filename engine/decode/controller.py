@@ -92,12 +92,15 @@ class Controller:
         alpha0: float = 0.7,
         tree: bool = False,
         runs: bool = False,
+        label: str = "",
     ) -> None:
         """`tree`: the drafter and the target can take a draft tree (then cfg.siblings,
         or the controller's choice where it is None, says how many depths). `runs`: the
         drafts are copies, and a copy taken whole is continued at twice its length
-        (`run_k`)."""
+        (`run_k`). `label` heads every reason it gives ("copies": the composed turn's
+        second controller, whose c = 0 would read as a free draft model)."""
         self.cfg = cfg
+        self.label = label
         self.costs = costs or Costs()
         # Acceptance as decayed counts of accepted drafts and of trials; the prior
         # weighs as much as a full memory of trials.
@@ -186,7 +189,7 @@ class Controller:
 
     def take_reason(self) -> str | None:
         reason, self._pending_reason = self._pending_reason, None
-        return reason
+        return f"{self.label}: {reason}" if reason and self.label else reason
 
     def observe_plain(self, step_ms: float) -> None:
         self.costs.target_step_ms = _ema(self.costs.target_step_ms, step_ms)

@@ -674,7 +674,7 @@ class ChatSession:
                 runs=run_mode is Mode.LOOKUP,
             ),
             copier=(
-                Controller(cfg, self._costs_for(Mode.LOOKUP, ahead_on), runs=True)
+                Controller(cfg, self._costs_for(Mode.LOOKUP, ahead_on), runs=True, label="copies")
                 if composed
                 else None
             ),

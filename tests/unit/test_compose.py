@@ -370,3 +370,20 @@ def test_a_benchmarks_cold_start_starts_from_the_costs_the_first_turn_had(
     assert s.costs != measured
     s.reset(drop_caches=True)
     assert s.costs == measured
+
+
+def test_the_copies_controller_names_itself_in_its_reasons(target: torch.nn.Module) -> None:
+    """Composed, the copies have a controller of their own (its c is 0): each of its
+    reasons says "copies:", so the acceptance panel's line ("K 4->8: ... c=0.00") does not
+    read as the draft model's; the model's controller says nothing of the kind."""
+    cfg = DecodeConfig(mode=Mode.SPEC, max_new_tokens=64)
+    events = list(pair_session(target).stream(REPEATING, cfg))
+    said = [
+        (e.drafter, e.fallback_reason)
+        for e in events
+        if isinstance(e, RoundEvent) and e.fallback_reason
+    ]
+    copies = [r for d, r in said if d == "lookup"]
+    model = [r for d, r in said if d != "lookup"]
+    assert copies and all(r.startswith("copies: ") for r in copies), said
+    assert model and not any(r.startswith("copies") for r in model), said
