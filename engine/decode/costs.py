@@ -172,8 +172,8 @@ def measure_costs(target: ModelRunner, draft: ModelRunner, k: int = 4, repeats: 
 
 # A 2-row block leaves the VNNI code for the AVX2 code only where that is faster than this
 # share of the VNNI code's time at load. The bits are the same either way, and a wrong pick
-# costs a few percent of a 2-row pass, so the bar is low: the medians of 6 turns (~1 s of a
-# 1.5B's load) tell Zen 4's 6% apart, one pass at a time does not.
+# costs a few percent of a 2-row pass, so the bar is low: the medians of 6 turns (~1.5 s of
+# the default pair's load) tell Zen 4's 6% apart, one pass at a time does not.
 TWO_ROWS_GAIN = 0.99
 # One-row calls (every plain step and every draft step) leave the AVX2 code for the VNNI
 # code only where that makes the target's step and the draft's together faster than this
@@ -190,8 +190,9 @@ def choose_vnni_rows(
     threads takes the VNNI code from, by timing both codes in turns (so drift in the
     machine's speed hits both alike): one-row steps of the target and the draft (where
     there is one) move to the VNNI code where it is clearly faster (an AMX Xeon); else
-    2-row passes (a K=1 verify) keep the AVX2 code where that is clearly faster (Zen 4:
-    1.10 against 1.16 steps). From then on `native.w4a8_set_vnni_min_rows` says it.
+    2-row passes (a K=1 verify; the draft's first pass after a round it drafted whole)
+    keep the AVX2 code where that is clearly faster (Zen 4's target: 1.10 against 1.16
+    steps). From then on `native.w4a8_set_vnni_min_rows` says it.
     Returns what was chosen, for Ready, or None where nothing was measured (another path)."""
     if native.w4a8_path() not in ("avx512vnni", "amx"):
         return None
@@ -215,20 +216,20 @@ def choose_vnni_rows(
             native.w4a8_set_vnni_min_rows(1, why)
             return why
         ones = f"{steps} {on_avx2:.1f} ms on the AVX2 code, {on_vnni:.1f} on it"
-        for _ in range(turns):
+        for _ in range(turns):  # a K=1 verify, and the draft's first pass after it
             native.w4a8_set_vnni_min_rows(least)
-            vnni.append(timers[0](2))
+            vnni.append(sum(timed(2) for timed in timers))
             native.w4a8_set_vnni_min_rows(max(least, 3))
-            avx2.append(timers[0](2))
+            avx2.append(sum(timed(2) for timed in timers))
     finally:
         for runner in runners:
             runner.reset()
     on_vnni, on_avx2 = statistics.median(vnni), statistics.median(avx2)
     if on_avx2 < on_vnni * TWO_ROWS_GAIN:
-        why = f"2-row blocks on the AVX2 code, measured faster: {on_avx2:.1f} against {on_vnni:.1f} ms"
+        why = f"2-row passes on the AVX2 code, measured faster: {on_avx2:.1f} against {on_vnni:.1f} ms"
         native.w4a8_set_vnni_min_rows(max(least, 3), f"{ones}; {why}")
     else:
-        why = f"2-row blocks measured {on_vnni:.1f} ms on it, {on_avx2:.1f} on the AVX2 code"
+        why = f"2-row passes {on_vnni:.1f} ms on it, {on_avx2:.1f} on the AVX2 code"
         native.w4a8_set_vnni_min_rows(least, f"{ones}; {why}")
     return f"{ones}; {why}"
 
