@@ -118,12 +118,12 @@ def w4a8_choice(requested: str = "auto", have: cpu.CpuFeatures | None = None) ->
 
 # One row takes the AVX2 code, same bits (w4a8.cpp): the VNNI code is 8% slower there for
 # the 0.5B on Zen 5 (docs/performance.md, step 23) and within 2% on Zen 4 (step 22), but an
-# AMX Xeon's one-row steps are 3-8% faster on it, so a session's load times them both ways
-# and moves them where that is clearly faster (step 42). From two rows up the VNNI code wins on Zen 5 (2-3-row verify blocks of the 1.5B ~10% faster: docs/performance.md,
-# step 23), but not on Zen 4, whose 512-bit instructions take two passes: there a 2-row block
-# costs 1.16 steps against the AVX2 code's 1.10, and 3 rows tie (step 34). So a session's
-# load times 2-row blocks both ways (decode/costs.py `choose_vnni_rows`) and keeps them on
-# the AVX2 code where that is clearly faster (`w4a8_set_vnni_min_rows`). A call on one
+# AMX Xeon's one-row steps are 3-8% faster on it (step 42). From two rows up the VNNI code
+# wins on Zen 5 (2-3-row verify blocks of the 1.5B ~10% faster: step 23), but not on Zen 4,
+# whose 512-bit instructions take two passes: there a 2-row block costs 1.16 steps against
+# the AVX2 code's 1.10, and 3 rows tie (step 34). So a session's load times one-row steps
+# and 2-row passes both ways (decode/costs.py `choose_vnni_rows`) and moves them to the code
+# that is clearly faster (`w4a8_set_vnni_min_rows`). A call on one
 # thread keeps 2-3 rows on the AVX2 code: on a Zen 5 a 2-row block of the 1.5B costs 1.18
 # steps there against 1.48 (step 24).
 W4A8_VNNI_MIN_ROWS = 2
@@ -172,8 +172,8 @@ def _set_w4a8(
     torch.ops.specchat.w4a8_set_path(
         W4A8_PATHS[path], vnni_min_rows, vnni_min_rows_one_thread, amx_min_rows
     )
-    auto = requested.strip().lower() in ("", "auto")
-    _w4a8_path.update(path=path, why=why, auto="yes" if auto else "")
+    asked = requested.strip().lower() or "auto"
+    _w4a8_path.update(path=path, why=why, requested=asked)
     _w4a8_rows.update(vnni=vnni_min_rows, one=vnni_min_rows_one_thread, why="")
     return path
 
@@ -181,7 +181,7 @@ def _set_w4a8(
 def w4a8_auto() -> bool:
     """Whether the kernel's path was chosen from this CPU (nothing named one), so a load may
     also choose from which rows its calls take the VNNI code (decode/costs.py)."""
-    return bool(_w4a8_path.get("auto"))
+    return _w4a8_path.get("requested") == "auto"
 
 
 def w4a8_vnni_rows() -> tuple[int, str]:

@@ -196,7 +196,6 @@ def environment(session: ChatSession) -> dict[str, Any]:
         "cpu": cpu_name(),
         "cpu_features": cpu.features().summary(),
         "w4a8_path": native.w4a8_path(),  # None where no w4a8 kernel is loaded
-        "w4a8_kernel": native.w4a8_describe(),  # its path and rows, and what the load measured
         "cuda": None,
     }
     if dev.type == "cuda":
