@@ -199,32 +199,31 @@ def choose_vnni_rows(
     least = native.W4A8_VNNI_MIN_ROWS
     runners = [target] if draft is None else [target, draft]
     timers = [pass_timer(runner, repeats) for runner in runners]
-    one_vnni: list[float] = []
-    one_avx2: list[float] = []
-    vnni: list[float] = []
-    avx2: list[float] = []
-    try:
+
+    def in_turns(rows: int, vnni_from: int, avx2_from: int) -> tuple[float, float]:
+        """Median ms of every runner's pass over `rows` rows together, on each code."""
+        vnni: list[float] = []
+        avx2: list[float] = []
         for _ in range(turns):
-            native.w4a8_set_vnni_min_rows(1)
-            one_vnni.append(sum(timed(1) for timed in timers))
-            native.w4a8_set_vnni_min_rows(least)
-            one_avx2.append(sum(timed(1) for timed in timers))
-        on_vnni, on_avx2 = statistics.median(one_vnni), statistics.median(one_avx2)
+            native.w4a8_set_vnni_min_rows(vnni_from)
+            vnni.append(sum(timed(rows) for timed in timers))
+            native.w4a8_set_vnni_min_rows(avx2_from)
+            avx2.append(sum(timed(rows) for timed in timers))
+        return statistics.median(vnni), statistics.median(avx2)
+
+    try:
+        on_vnni, on_avx2 = in_turns(1, 1, least)
         steps = "the target's and the draft's one-row steps" if draft else "one-row steps"
         if on_vnni < on_avx2 * ONE_ROW_GAIN:
             why = f"from one row, measured faster: {steps} {on_vnni:.1f} against {on_avx2:.1f} ms"
             native.w4a8_set_vnni_min_rows(1, why)
             return why
         ones = f"{steps} {on_avx2:.1f} ms on the AVX2 code, {on_vnni:.1f} on it"
-        for _ in range(turns):  # a K=1 verify, and the draft's first pass after it
-            native.w4a8_set_vnni_min_rows(least)
-            vnni.append(sum(timed(2) for timed in timers))
-            native.w4a8_set_vnni_min_rows(max(least, 3))
-            avx2.append(sum(timed(2) for timed in timers))
+        # a K=1 verify, and the draft's first pass after a round it drafted whole
+        on_vnni, on_avx2 = in_turns(2, least, max(least, 3))
     finally:
         for runner in runners:
             runner.reset()
-    on_vnni, on_avx2 = statistics.median(vnni), statistics.median(avx2)
     if on_avx2 < on_vnni * TWO_ROWS_GAIN:
         why = f"2-row passes on the AVX2 code, measured faster: {on_avx2:.1f} against {on_vnni:.1f} ms"
         native.w4a8_set_vnni_min_rows(max(least, 3), f"{ones}; {why}")
