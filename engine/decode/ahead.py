@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from ..config import MAX_K, DecodeConfig
+from ..model.native import prompt_rows
 from .sampling import align_vocab, argmax
 from .speculative import ModelDrafter, Proposal
 
@@ -242,7 +243,8 @@ class AheadDrafter:
         keep = min(common_prefix_len(self._fed, seq), len(seq) - 1)
         self.runner.crop_to(keep)
         del self._fed[keep:]
-        logits = self.runner.feed(seq[keep:], keep=1)[-1]
+        with prompt_rows():  # a draft's rows need no step's bits: a prompt's code where long
+            logits = self.runner.feed(seq[keep:], keep=1)[-1]
         self._fed = list(seq)
         return align_vocab(logits, self.inner.vocab or logits.shape[-1])
 

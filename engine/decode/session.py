@@ -636,7 +636,9 @@ class ChatSession:
             else:
                 self.head_drafter.detach()
         t0 = time.perf_counter()
-        self.target_runner.prefill(ids)  # the draft's waits for its first round (see _round)
+        # The draft's read waits for its first round (see _round). Plain and speculative turns
+        # read a prompt alike, so its rows need no step's bits.
+        self.target_runner.prefill(ids, prompt=True)
         prefill_ms = (time.perf_counter() - t0) * 1e3
         self.turn += 1
         self.tokens = list(ids)

@@ -194,7 +194,7 @@ class ModelDrafter:
         read apart cost a second pass a round (AMX Xeon: a 20-35 ms catch-up before a 20 ms
         first pass)."""
         if self.unread(seq) and not self.folds(seq):
-            self.runner.prefill(seq)
+            self.runner.prefill(seq, prompt=True)  # a draft's rows need no step's bits
 
     def reset(self) -> None:
         self.runner.reset()

@@ -52,6 +52,15 @@ _NEEDS_AVX2 = {"w4a8"}
 W4A8_PATHS = {"avx2": 0, "avx512vnni": 1, "amx": 2}
 W4A8_NAMES = {"avx2": "AVX2", "avx512vnni": "AVX512-VNNI", "amx": "AMX"}
 W4A8_ENV = "SPECCHAT_W4A8"  # auto (default), avx2, avx512vnni or amx
+# A prompt's rows (`prompt_rows`): "auto" (the default) takes them to bfloat16 tiles where
+# the AMX path runs and the CPU has AMX-BF16; "steps" keeps them on a step's bits.
+W4A8_PROMPT_ENV = "SPECCHAT_W4A8_PROMPT"
+# From how many rows a prompt's call takes the bfloat16 tiles. Below, the weights' one
+# conversion a call costs more than the int8 tiles' float steps save: the 1.5B's projections
+# over 16 / 32 / 64 / 141 / 512 rows took 0.6 / 0.97 / 1.2 / 1.6 / 1.9 times the int8
+# code's time, and a 40-token prompt's whole pass was alike either way (Intel Xeon with
+# AMX, 2 threads: docs/performance.md, step 43).
+W4A8_PROMPT_MIN_ROWS = 48
 _w4a8_path: dict[str, str] = {}  # "path" and "why", once the kernel is loaded
 # The fewest rows the VNNI code takes on several threads, and why where not the default.
 _w4a8_rows: dict[str, int | str] = {}
@@ -169,13 +178,53 @@ def _set_w4a8(
                 f"{W4A8_ENV}=amx: {refused}", hint=f"unset {W4A8_ENV} (auto) or set it to avx512vnni"
             )
         path, why = "avx512vnni", f"this CPU has AMX-INT8, but {refused}"
+    prompt, prompt_why = _prompt_choice(path)
     torch.ops.specchat.w4a8_set_path(
         W4A8_PATHS[path], vnni_min_rows, vnni_min_rows_one_thread, amx_min_rows
     )
+    torch.ops.specchat.w4a8_set_prompt_rows(W4A8_PROMPT_MIN_ROWS if prompt else 0)
     asked = requested.strip().lower() or "auto"
-    _w4a8_path.update(path=path, why=why, requested=asked)
+    _w4a8_path.update(path=path, why=why, requested=asked, prompt=prompt, prompt_why=prompt_why)
     _w4a8_rows.update(vnni=vnni_min_rows, one=vnni_min_rows_one_thread, why="")
     return path
+
+
+def _prompt_choice(path: str) -> tuple[str, str]:
+    """Whether a prompt's rows take bfloat16 tiles ("bf16", else "") on `path`, and why."""
+    asked = os.environ.get(W4A8_PROMPT_ENV, "auto").strip().lower() or "auto"
+    if asked not in ("auto", "steps"):
+        raise QuantizationError(
+            f"{W4A8_PROMPT_ENV}={asked!r} names no way to read a prompt", hint="use auto or steps"
+        )
+    if asked == "steps":
+        return "", f"{W4A8_PROMPT_ENV}=steps"
+    if path != "amx":
+        return "", "the bfloat16 tiles are the AMX path's"
+    if not torch.ops.specchat.w4a8_amx_bf16_permitted():
+        return "", "this CPU has no AMX-BF16 (with AVX512-BF16 and VBMI)"
+    return "bf16", "this CPU has AMX-BF16"
+
+
+@contextlib.contextmanager
+def prompt_rows(on: bool = True) -> Iterator[None]:
+    """Inside (when `on`), w4a8 calls of W4A8_PROMPT_MIN_ROWS rows or more from this thread
+    may take the prompt's code: where the AMX path runs on a CPU with AMX-BF16, each call
+    brings its weights to bfloat16 once and multiplies every row in bfloat16 tiles, summed
+    in float32 (the 1.5B's 141-token prompt 1.45x faster, 500 tokens 1.9x). Those rows get
+    other bits than a step's (closer to float32 than the int8 code's, which rounds each
+    32 values of a row to int8), so only what needs no step's bits goes inside: the
+    conversation's new tokens before a turn's first step, which plain and speculative
+    turns read alike, and a draft's reads. $SPECCHAT_W4A8_PROMPT=steps keeps them on a
+    step's bits, so that a conversation read again from its text continues bit for bit
+    as it did live."""
+    if not on or not _w4a8_path.get("prompt"):
+        yield
+        return
+    before = torch.ops.specchat.w4a8_set_prompt(True)
+    try:
+        yield
+    finally:
+        torch.ops.specchat.w4a8_set_prompt(before)
 
 
 def w4a8_auto() -> bool:
@@ -251,7 +300,16 @@ def w4a8_describe() -> str | None:
         "amx": f" for blocks of {W4A8_AMX_MIN_ROWS}+ rows, AVX512-VNNI below from {vnni}",
     }[path]
     paths = "|".join(W4A8_PATHS)
-    return f"w4a8 kernel: {W4A8_NAMES[path]} path{rows} ({_w4a8_path['why']}; {W4A8_ENV}={paths}|auto)"
+    prompt = (
+        f"; prompts of {W4A8_PROMPT_MIN_ROWS}+ rows in bfloat16 tiles ({_w4a8_path['prompt_why']}; "
+        f"{W4A8_PROMPT_ENV}=steps keeps a step's bits)"
+        if _w4a8_path.get("prompt")
+        else ""
+    )
+    return (
+        f"w4a8 kernel: {W4A8_NAMES[path]} path{rows} ({_w4a8_path['why']}; {W4A8_ENV}={paths}|auto)"
+        + prompt
+    )
 
 
 def unavailable(kernel: str) -> str | None:

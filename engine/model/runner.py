@@ -30,7 +30,7 @@ from .decoder import native_decoder
 from .invariance import RowsApart, plan
 from .kv_cache import GrowingLayer, new_cache
 from .layers import LayerStack, tree_depths, tree_paths
-from .native import small_ops_on_one_thread
+from .native import prompt_rows, small_ops_on_one_thread
 from .qlinear import W4A8Linear, _QuantizedLinear
 
 # Prompt blocks of up to this many rows run torch's own operations on one thread where the
@@ -215,11 +215,14 @@ class ModelRunner:
             self.crop_to(len(seq) - 1)
         return self.feed(seq[self.cached :], keep)
 
-    def prefill(self, seq: list[int]) -> None:
-        """Bring the cache to hold seq[:-1], so the next forward yields the next-token logits."""
+    def prefill(self, seq: list[int], prompt: bool = False) -> None:
+        """Bring the cache to hold seq[:-1], so the next forward yields the next-token logits.
+        `prompt`: rows that need no step's bits (a turn's new tokens before its first step,
+        a draft's read), which may take the w4a8 kernel's prompt code (`native.prompt_rows`)."""
         self.crop_to(len(seq) - 1)
         if self.cached < len(seq) - 1:
-            self.feed(seq[self.cached : len(seq) - 1], keep=1)
+            with prompt_rows(prompt):
+                self.feed(seq[self.cached : len(seq) - 1], keep=1)
 
 
 def w4a8_only(model: torch.nn.Module) -> bool:

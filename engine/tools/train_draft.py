@@ -55,6 +55,7 @@ from ..events import LoadProgress, TokenEvent
 from ..model import cpu
 from ..model.eagle import EagleHead, HeadConfig, init_head
 from ..model.eagle_io import for_decoding, head_facts, save_head
+from ..model.native import prompt_rows
 from ..model.runner import ModelRunner
 from ..weights.loading import LoadedModel
 from .train_prompts import PROMPTS, Prompt, chat, split, turns
@@ -299,7 +300,8 @@ def featurize(runner: ModelRunner, seq: Sequence, layers: tuple[int, ...]) -> No
     runner.on_features = lambda _start, f: got.append(f)
     try:
         runner.reset()
-        runner.feed(seq.ids, keep=1)
+        with prompt_rows():  # teacher-forced rows: a prompt's code where there is one
+            runner.feed(seq.ids, keep=1)
     finally:
         hook.remove()
         runner.on_features = None

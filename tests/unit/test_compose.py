@@ -183,9 +183,9 @@ def test_the_models_rounds_are_told_what_the_copies_cost_it(
     fed: list[int] = []  # the rows each catch-up pass of the draft read
     prefill = runner.prefill
 
-    def counted(seq: list[int]) -> None:
+    def counted(seq: list[int], prompt: bool = False) -> None:
         fed.append(len(seq) - 1 - runner.cached)
-        prefill(seq)
+        prefill(seq, prompt)
 
     monkeypatch.setattr(runner, "prefill", counted)
     cfg = DecodeConfig(mode=Mode.SPEC, k=3, max_new_tokens=64)
@@ -223,9 +223,9 @@ def test_a_short_copy_rides_in_the_drafts_first_pass_priced_as_a_read(
     passes: list[int] = []  # the rows each catch-up pass read
     prefill = runner.prefill
 
-    def counted(seq: list[int]) -> None:
+    def counted(seq: list[int], prompt: bool = False) -> None:
         passes.append(len(seq) - 1 - runner.cached)
-        prefill(seq)
+        prefill(seq, prompt)
 
     monkeypatch.setattr(runner, "prefill", counted)
     learnt: list[int] = []

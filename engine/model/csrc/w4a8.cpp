@@ -58,6 +58,7 @@
 #include <cmath>
 #include <cstring>
 #include <tuple>
+#include <array>
 #include <type_traits>
 #include <vector>
 #include <cpuid.h>
@@ -495,6 +496,185 @@ bool amx_permitted() {
   return ok;
 }
 
+// A prompt's rows on AMX-BF16 (w4a8_set_prompt): a call of many rows that need not give a
+// one-token step's bits (the conversation's new tokens, before the first step; a draft's
+// read) takes each pair of row groups' weights to bfloat16 once, w = code * scale + min
+// rounded to bfloat16, and multiplies every activation row (rounded to bfloat16) by them
+// with tdpbf16ps, summed in float32 over the whole row: no float steps a block, where the
+// int8 code spends about two thirds of a prompt's time (its block sums stored from the
+// tiles, then scaled a row at a time). Other bits than a step's, so never a verify block.
+#define SPECCHAT_AMX_BF16                                                                  \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16," \
+                        "avx2,fma,f16c")))
+
+// Whether this process may use the AMX-BF16 tiles (with AVX512-BF16 and VBMI for the
+// weights' conversion): amx_permitted's tile state, and CPUID leaf 7 EDX bit 22 (AMX-BF16),
+// ECX bit 1 (VBMI), and leaf 7 subleaf 1 EAX bit 5 (AVX512-BF16).
+bool amx_bf16_permitted() {
+  static const bool ok = [] {
+    if (!amx_permitted()) return false;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((c >> 1) & 1))
+      return false;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1);
+  }();
+  return ok;
+}
+
+// Tiles: C at 0..3 (16 activation rows by 16 weight rows, float32), A at 4, 5 (16 rows'
+// 32 bfloat16 values of a block), B at 6, 7 (a block's 32 values of 16 weight rows as 16
+// pairs: row p holds values 2p, 2p + 1 of each weight row).
+SPECCHAT_AMX_BF16 void amx_bf16_configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  asm volatile("ldtilecfg %0" ::"m"(cfg));
+}
+
+// Byte 4i of permutation t of a load of codes (bytes 4n + j hold code 4r + j of weight row
+// n, as unpack_pair leaves them; the other bytes of each 32-bit lane come out zero): weight
+// row n = 8q + i / 2, code j = 2h + i % 2, for t = 2h + q, so that permutations 2h and 2h + 1
+// are B row 2r + h's values, pair by pair, as 32-bit integers.
+constexpr std::array<std::array<uint8_t, 64>, 4> kPairOrder = [] {
+  std::array<std::array<uint8_t, 64>, 4> idx{};
+  for (int t = 0; t < 4; ++t)
+    for (int i = 0; i < 16; ++i)
+      idx[t][4 * i] = static_cast<uint8_t>(4 * (8 * (t & 1) + i / 2) + 2 * (t >> 1) + (i & 1));
+  return idx;
+}();
+constexpr __mmask64 kLowBytes = 0x1111111111111111ull;
+
+// The codes that permutation idx picks, times their rows' scales plus their minimums.
+SPECCHAT_AMX_BF16 inline __m512 value(__m512i idx, __m512i codes, __m512 scale, __m512 min) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(kLowBytes, idx, codes)), scale,
+                         min);
+}
+
+// One pair of row groups' block b (16 weight rows, 32 values) as a bfloat16 B tile at `tile`.
+SPECCHAT_AMX_BF16 inline void pair_block_to_bf16(const uint8_t* w0, const uint8_t* w1,
+                                                 const uint16_t* dw0, const uint16_t* dw1,
+                                                 const uint16_t* mw0, const uint16_t* mw1,
+                                                 int gshift, int64_t b, uint16_t* tile) {
+  const __m512i idx0 = _mm512_loadu_si512(kPairOrder[0].data());
+  const __m512i idx1 = _mm512_loadu_si512(kPairOrder[1].data());
+  const __m512i idx2 = _mm512_loadu_si512(kPairOrder[2].data());
+  const __m512i idx3 = _mm512_loadu_si512(kPairOrder[3].data());
+  const __m512i half0 = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i half1 = _mm512_add_epi32(half0, _mm512_set1_epi32(8));
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const int64_t gb = (b >> gshift) * 8;
+  const __m512 sv = scales_pair(dw0 + gb, dw1 + gb), mv = scales_pair(mw0 + gb, mw1 + gb);
+  const __m512 s0 = _mm512_permutexvar_ps(half0, sv), s1 = _mm512_permutexvar_ps(half1, sv);
+  const __m512 m0 = _mm512_permutexvar_ps(half0, mv), m1 = _mm512_permutexvar_ps(half1, mv);
+  for (int i = 0; i < 4; ++i) {
+    const __m512i raw = load_pair(w0 + b * BLOCK_BYTES + 32 * i, w1 + b * BLOCK_BYTES + 32 * i);
+    for (int hi = 0; hi < 2; ++hi) {  // low nibbles: codes 4i.., high: 16 + 4i..
+      const int r = 4 * hi + i;
+      const __m512i codes = hi ? _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4) : _mm512_and_si512(raw, low4);
+      _mm512_storeu_si512(tile + (2 * r) * 32, (__m512i)_mm512_cvtne2ps_pbh(value(idx1, codes, s1, m1),
+                                                                           value(idx0, codes, s0, m0)));
+      _mm512_storeu_si512(tile + (2 * r + 1) * 32, (__m512i)_mm512_cvtne2ps_pbh(value(idx3, codes, s1, m1),
+                                                                               value(idx2, codes, s0, m0)));
+    }
+  }
+}
+
+// Four row groups' weights (two pairs: 32 weight rows), as bfloat16 B tiles a block at a
+// time into two buffers of nb tiles. Groups past the last repeat it (outputs not stored).
+struct QuadToBf16 {
+  const uint8_t* w[4];
+  const uint16_t* d[4];
+  const uint16_t* mn[4];
+  int gshift;
+  uint16_t* out[2];
+
+  QuadToBf16(const uint8_t* W, const uint16_t* D, const uint16_t* MN, int64_t q, int64_t groups,
+             int64_t nb, int64_t sg, int gs, uint16_t* buf)
+      : gshift(gs), out{buf, buf + nb * 512} {
+    for (int i = 0; i < 4; ++i) {
+      const int64_t g = std::min(4 * q + i, groups - 1);
+      w[i] = W + g * nb * BLOCK_BYTES;
+      d[i] = D + g * sg * 8;
+      mn[i] = MN + g * sg * 8;
+    }
+  }
+  SPECCHAT_AMX_BF16 void block(int64_t b) const {
+    pair_block_to_bf16(w[0], w[1], d[0], d[1], mn[0], mn[1], gshift, b, out[0] + b * 512);
+    pair_block_to_bf16(w[2], w[3], d[2], d[3], mn[2], mn[3], gshift, b, out[1] + b * 512);
+  }
+};
+
+// Every activation row (bfloat16 A tiles [Mp / 16, nb, 16, 32], to_a_tiles, the rows past M
+// zeros) against a quad's B tiles bt[0], bt[1]: outputs n0.. (nv of them, up to 32) of rows
+// below M into y. Passes of 32 rows hold 4 accumulator tiles, so each A and B tile loaded
+// serves two products. `beside(b)` runs at block b of the first pass: the next quad's
+// conversion on the vector units while the tile unit multiplies.
+template <class Beside>
+SPECCHAT_AMX_BF16 void quad_rows_bf16(uint16_t* const* bt, const uint16_t* xa, int64_t nb,
+                                      int64_t M, int64_t Mp, float* y, int64_t N, int64_t n0,
+                                      int64_t nv, const Beside& beside) {
+  alignas(64) float out[16 * 16];
+  // Accumulator tile c (0..3: rows half c / 2, weights half c % 2) to rows m0.. of y.
+  auto put = [&](int c, int64_t m0) {
+    const int64_t rows = std::min<int64_t>(16, M - m0), cols = std::min<int64_t>(16, nv - 16 * (c & 1));
+    if (rows <= 0 || cols <= 0) return;
+    float* dst = y + m0 * N + n0 + 16 * (c & 1);
+    const bool direct = rows == 16 && cols == 16;
+    float* to = direct ? dst : out;
+    const int64_t stride = direct ? N * 4 : 64;
+    switch (c) {
+      case 0: _tile_stored(0, to, stride); break;
+      case 1: _tile_stored(1, to, stride); break;
+      case 2: _tile_stored(2, to, stride); break;
+      default: _tile_stored(3, to, stride); break;
+    }
+    if (!direct)
+      for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * N, out + 16 * r, cols * 4);
+  };
+  const uint16_t* b0 = bt[0];
+  const uint16_t* b1 = bt[1];
+  const int64_t K = nb * QK;
+  for (int64_t m = 0; m < Mp; m += 32) {
+    const uint16_t* a0 = xa + m * K;  // 16 rows' blocks, 1 KB each
+    if (m + 32 <= Mp) {
+      const uint16_t* a1 = a0 + 16 * K;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t b = 0; b < nb; ++b) {
+        _tile_loadd(4, a0 + b * 512, 64);
+        _tile_loadd(6, b0 + b * 512, 64);
+        _tile_loadd(7, b1 + b * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, a1 + b * 512, 64);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+        if (m == 0) beside(b);
+      }
+      for (int c = 0; c < 4; ++c) put(c, m + 16 * (c >> 1));
+    } else {
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t b = 0; b < nb; ++b) {
+        _tile_loadd(4, a0 + b * 512, 64);
+        _tile_loadd(6, b0 + b * 512, 64);
+        _tile_loadd(7, b1 + b * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (m == 0) beside(b);
+      }
+      put(0, m);
+      put(1, m);
+    }
+  }
+}
+
+SPECCHAT_AMX_BF16 void amx_bf16_release() { _tile_release(); }
+
 // Choose the path (0 AVX2, 1 AVX512-VNNI from min_rows activation rows up, 2 AMX from
 // amx_min_rows up and VNNI below by the same rules) for every later
 // call; returns the one before. A single row is bound by reading the weights, and there the
@@ -550,6 +730,31 @@ bool w4a8_takes_vnni(int64_t M) {
 // Whether a call of M rows takes the AMX code (path 2, at least g_amx_min_rows rows).
 bool w4a8_takes_amx(int64_t M) {
   return g_path.load(std::memory_order_relaxed) == 2 && M >= g_amx_min_rows.load();
+}
+
+// Whether calls from this thread are a prompt's rows (w4a8_set_prompt), which may take the
+// AMX-BF16 code from g_bf16_min_rows rows (0: never) where the AMX path is chosen.
+thread_local bool t_prompt = false;
+std::atomic<int64_t> g_bf16_min_rows{0};
+
+bool w4a8_set_prompt(bool on) {
+  const bool before = t_prompt;
+  t_prompt = on;
+  return before;
+}
+
+// From how many rows a prompt's call takes the AMX-BF16 code (0: never); returns the last.
+int64_t w4a8_set_prompt_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 0, "prompt rows: 0 (never) or how many");
+  TORCH_CHECK(rows == 0 || amx_bf16_permitted(),
+              "AMX-BF16: this CPU has no AMX-BF16 (with AVX512-BF16 and VBMI), or the operating "
+              "system did not grant this process the tile state");
+  return g_bf16_min_rows.exchange(rows);
+}
+
+bool w4a8_takes_bf16(int64_t M) {
+  const int64_t rows = g_bf16_min_rows.load(std::memory_order_relaxed);
+  return t_prompt && rows > 0 && M >= rows && g_path.load(std::memory_order_relaxed) == 2;
 }
 
 // work(next) on this thread and on up to `helpers` more, each claiming chunks from the
@@ -729,6 +934,64 @@ class Ranges {
 };
 
 
+// Rows x [M, K] float32 to bfloat16 A tiles: value k of row m at ((m / 16) * nb + k / 32) *
+// 512 + (m % 16) * 32 + k % 32, rounded to nearest even.
+SPECCHAT_AMX_BF16 void to_a_tiles(const float* x, int64_t M, int64_t K, uint16_t* out) {
+  const int64_t nb = K / QK;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* src = x + m * K + b * QK;
+      _mm512_storeu_si512(out + ((m / 16) * nb + b) * 512 + (m % 16) * QK,
+                          (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src)));
+    }
+}
+
+// A prompt's call on the AMX-BF16 code: each thread takes pairs of row groups from its own
+// range, brings a pair's weights to bfloat16 tiles once (nb KB, in its cache) and runs every
+// activation row against them. An odd last group pairs with itself (its copy's outputs
+// are not stored).
+at::Tensor w4a8_linear_bf16(const at::Tensor& x, const uint8_t* W, const uint16_t* D,
+                            const uint16_t* MN, int64_t N, int64_t groups, int64_t nb, int64_t sg,
+                            int gshift) {
+  const int64_t M = x.size(0), K = x.size(1), Mp = (M + 15) / 16 * 16;
+  // The rows in bfloat16 as A tiles, each 16 rows' block one contiguous 1 KB ([Mp / 16, nb,
+  // 16, 32]): a tile load of rows K apart touched 16 pages.
+  auto xa = at::zeros({Mp / 16, nb, 16, QK}, x.options().dtype(at::kBFloat16));
+  to_a_tiles(x.data_ptr<float>(), M, K, reinterpret_cast<uint16_t*>(xa.data_ptr<at::BFloat16>()));
+  auto y = at::empty({M, N}, x.options());
+  const auto* XA = reinterpret_cast<const uint16_t*>(xa.data_ptr<at::BFloat16>());
+  float* Y = y.data_ptr<float>();
+  const int64_t quads = (groups + 3) / 4;  // chunks of 4 row groups, 32 weight rows
+  const int64_t threads = std::min<int64_t>(quads, call_threads());
+  Ranges ranges(quads, threads);
+  share(threads - 1, [&](std::atomic<int64_t>& joined) {
+    amx_bf16_configure();
+    // Two quads' tiles: the one multiplied, and the next one converted beside it.
+    thread_local std::vector<uint16_t> scratch;
+    if (static_cast<int64_t>(scratch.size()) < 4 * nb * 512) scratch.resize(4 * nb * 512);
+    const int64_t id = joined.fetch_add(1);
+    int64_t q = ranges.next(id), slot = 0;
+    if (q >= 0) {
+      const QuadToBf16 first(W, D, MN, q, groups, nb, sg, gshift, scratch.data());
+      for (int64_t b = 0; b < nb; ++b) first.block(b);
+    }
+    while (q >= 0) {
+      const int64_t next = ranges.next(id);
+      uint16_t* bt[2] = {scratch.data() + slot * 2 * nb * 512, scratch.data() + (slot * 2 + 1) * nb * 512};
+      const QuadToBf16 ahead(W, D, MN, next < 0 ? q : next, groups, nb, sg, gshift,
+                             scratch.data() + (slot ^ 1) * 2 * nb * 512);
+      const int64_t n0 = 4 * q * ROWS, nv = std::min<int64_t>(4 * ROWS, N - n0);
+      quad_rows_bf16(bt, XA, nb, M, Mp, Y, N, n0, nv, [&](int64_t b) {
+        if (next >= 0) ahead.block(b);
+      });
+      q = next;
+      slot ^= 1;
+    }
+    amx_bf16_release();
+  });
+  return y;
+}
+
 // x [M, K] float32; packed [N/8, K/32, 128] uint8; scales, mins [N/8, K/G, 8] float16 -> [M, N],
 // G = 32 * 2^s the weight group (read from the scales' shape)
 at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
@@ -750,6 +1013,11 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   for (const at::Tensor* t : {&scales, &mins})
     TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->numel() == groups * sg * 8,
                 "scales and minimums must be contiguous float16 [N/8, K/G, 8]");
+  if (w4a8_takes_bf16(M))
+    return w4a8_linear_bf16(x, packed.data_ptr<uint8_t>(),
+                            reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+                            reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()), N, groups,
+                            nb, sg, gshift);
   // AMX passes take R rows at a time, the last one's tile reading R: rows past M are zeros.
   const bool amx = w4a8_takes_amx(M);
   const int64_t R = std::min<int64_t>(M, 16), padded = amx ? (M + R - 1) / R * R : M;
@@ -905,4 +1173,8 @@ TORCH_LIBRARY(specchat, m) {
   m.def("w4a8_takes_vnni(int rows) -> bool", &w4a8_takes_vnni);
   m.def("w4a8_takes_amx(int rows) -> bool", &w4a8_takes_amx);
   m.def("w4a8_amx_permitted() -> bool", &amx_permitted);
+  m.def("w4a8_set_prompt(bool on) -> bool", &w4a8_set_prompt);
+  m.def("w4a8_set_prompt_rows(int rows) -> int", &w4a8_set_prompt_rows);
+  m.def("w4a8_takes_bf16(int rows) -> bool", &w4a8_takes_bf16);
+  m.def("w4a8_amx_bf16_permitted() -> bool", &amx_bf16_permitted);
 }
