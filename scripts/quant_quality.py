@@ -9,6 +9,9 @@ and is compared position by position:
     rel. err  median over positions of ||logits_mode - logits_fp32|| / ||logits_fp32||
 
     python scripts/quant_quality.py --modes bf16,int8,int4,w8a8 --tokens 32
+
+A mode ending in +prompt scores its pass as a prompt's rows (engine/model/native.py
+`prompt_rows`: w4a8's bfloat16 tiles where the CPU has AMX-BF16), e.g. w4a8,w4a8+prompt.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 import torch
 
 from specchat.engine.config import ModelSpec, QuantMode
+from specchat.engine.model import native
 from specchat.engine.weights.loading import load_model
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "prompts" / "dev_prompts.jsonl"
@@ -50,12 +54,13 @@ def main() -> None:
 
     print("| mode | top-1 | chats identical | median rel. logit error |\n|---|---|---|---|")
     for name in args.modes.split(","):
+        base, _, read = name.partition("+")
         dtype, quant = (
-            ("bfloat16", QuantMode.NONE) if name == "bf16" else ("float32", QuantMode(name))
+            ("bfloat16", QuantMode.NONE) if base == "bf16" else ("float32", QuantMode(base))
         )
         lm = load_model(ModelSpec(args.model, quant, dtype=dtype, device="cpu"), "target")
         agree, identical, errors = 0, 0, []
-        with torch.inference_mode():
+        with torch.inference_mode(), native.prompt_rows(read == "prompt"):
             for seq, start, want in zip(seqs, starts, ref_logits, strict=True):
                 got = lm.model(torch.tensor([seq])).logits[0, start - 1 : -1].float()
                 same = got.argmax(-1) == want.argmax(-1)
@@ -64,7 +69,7 @@ def main() -> None:
                 errors += ((got - want).norm(dim=-1) / want.norm(dim=-1)).tolist()
         total = len(seqs) * args.tokens
         print(
-            f"| {name} | {agree / total:.1%} | {identical}/{len(seqs)} | {statistics.median(errors):.3f} |",
+            f"| {name} | {agree / total:.1%} | {identical}/{len(seqs)} | {statistics.median(errors):.4f} |",
             flush=True,
         )
         del lm

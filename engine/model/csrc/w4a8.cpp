@@ -36,6 +36,11 @@
 // activation rows and the same 16 weight rows, the same integers again, and the float
 // steps are the VNNI path's.
 //
+// A prompt's calls (w4a8_set_prompt, from engine/model/native.py `prompt_rows`) may take a
+// fourth code where the CPU has AMX-BF16: the weights to bfloat16 once a call, every row
+// against them in bfloat16 tiles (`quad_rows_bf16`). Other bits than the three paths', so
+// only for rows that need no step's bits; verify blocks and steps never take it.
+//
 // Registered as torch.ops.specchat.w4a8_linear; compiled on first use (engine/native.py).
 
 #include <ATen/core/Tensor.h>
