@@ -611,6 +611,35 @@ struct QuadToBf16 {
   }
 };
 
+// One pass: 32 activation rows from a0 (Two; 16 otherwise) against a quad's B tiles, into
+// accumulator tiles 0..3 (0, 1). `beside(b)` runs at each block where `first`.
+template <bool Two, class Beside>
+SPECCHAT_AMX_BF16 inline void pass_bf16(const uint16_t* a0, uint16_t* const* bt, int64_t nb, int64_t K,
+                                        bool first, const Beside& beside) {
+  const uint16_t* a1 = a0 + 16 * K;  // 16 rows' blocks, 1 KB each
+  const uint16_t* b0 = bt[0];
+  const uint16_t* b1 = bt[1];
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (Two) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    _tile_loadd(4, a0 + b * 512, 64);
+    _tile_loadd(6, b0 + b * 512, 64);
+    _tile_loadd(7, b1 + b * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (Two) {
+      _tile_loadd(5, a1 + b * 512, 64);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    if (first) beside(b);
+  }
+}
+
 // Every activation row (bfloat16 A tiles [Mp / 16, nb, 16, 32], to_a_tiles, the rows past M
 // zeros) against a quad's B tiles bt[0], bt[1]: outputs n0.. (nv of them, up to 32) of rows
 // below M into y. Passes of 32 rows hold 4 accumulator tiles, so each A and B tile loaded
@@ -638,40 +667,13 @@ SPECCHAT_AMX_BF16 void quad_rows_bf16(uint16_t* const* bt, const uint16_t* xa, i
     if (!direct)
       for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * N, out + 16 * r, cols * 4);
   };
-  const uint16_t* b0 = bt[0];
-  const uint16_t* b1 = bt[1];
   const int64_t K = nb * QK;
   for (int64_t m = 0; m < Mp; m += 32) {
-    const uint16_t* a0 = xa + m * K;  // 16 rows' blocks, 1 KB each
     if (m + 32 <= Mp) {
-      const uint16_t* a1 = a0 + 16 * K;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t b = 0; b < nb; ++b) {
-        _tile_loadd(4, a0 + b * 512, 64);
-        _tile_loadd(6, b0 + b * 512, 64);
-        _tile_loadd(7, b1 + b * 512, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(5, a1 + b * 512, 64);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-        if (m == 0) beside(b);
-      }
+      pass_bf16<true>(xa + m * K, bt, nb, K, m == 0, beside);
       for (int c = 0; c < 4; ++c) put(c, m + 16 * (c >> 1));
     } else {
-      _tile_zero(0);
-      _tile_zero(1);
-      for (int64_t b = 0; b < nb; ++b) {
-        _tile_loadd(4, a0 + b * 512, 64);
-        _tile_loadd(6, b0 + b * 512, 64);
-        _tile_loadd(7, b1 + b * 512, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (m == 0) beside(b);
-      }
+      pass_bf16<false>(xa + m * K, bt, nb, K, m == 0, beside);
       put(0, m);
       put(1, m);
     }
