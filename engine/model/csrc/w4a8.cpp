@@ -505,9 +505,9 @@ bool amx_permitted() {
 // one-token step's bits (the conversation's new tokens, before the first step; a draft's
 // read) takes each pair of row groups' weights to bfloat16 once, w = code * scale + min
 // rounded to bfloat16, and multiplies every activation row (rounded to bfloat16) by them
-// with tdpbf16ps, summed in float32 over the whole row: no float steps a block, where the
-// int8 code spends about two thirds of a prompt's time (its block sums stored from the
-// tiles, then scaled a row at a time). Other bits than a step's, so never a verify block.
+// with tdpbf16ps, summed in float32 over the whole row: no float steps a block (a third of
+// the int8 tiles' time over a prompt's rows, and the trips of their block sums through
+// memory another third). Other bits than a step's, so never a verify block.
 #define SPECCHAT_AMX_BF16                                                                  \
   __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16," \
                         "avx2,fma,f16c")))
@@ -958,18 +958,17 @@ SPECCHAT_AMX_BF16 void to_a_tiles(const float* x, int64_t M, int64_t K, int64_t 
     }
 }
 
-// A prompt's call on the AMX-BF16 code: each thread takes pairs of row groups from its own
-// range, brings a pair's weights to bfloat16 tiles once (nb KB, in its cache) and runs every
-// activation row against them. An odd last group pairs with itself (its copy's outputs
-// are not stored).
+// A prompt's call on the AMX-BF16 code: each thread takes quads of row groups (32 weight
+// rows) from its own range, brings a quad's weights to bfloat16 tiles once (2 nb KB, in its
+// cache; the next quad's during the first pass of this one) and runs every activation row
+// against them.
 at::Tensor w4a8_linear_bf16(const at::Tensor& x, const uint8_t* W, const uint16_t* D,
                             const uint16_t* MN, int64_t N, int64_t groups, int64_t nb, int64_t sg,
                             int gshift) {
   const int64_t M = x.size(0), K = x.size(1), Mp = (M + 15) / 16 * 16;
   // The rows in bfloat16 as A tiles, each 16 rows' block one contiguous 1 KB ([Mp / 16, nb,
-  // 16, 32]): a tile load of rows K apart touched 16 pages.
-  // Converted by every thread, ~256 KB of rows a chunk (one thread took ~30 ms of a
-  // 141-token prompt of the 1.5B; zeroing the whole buffer first, ~16 ms more).
+  // 16, 32]), converted on every thread, ~256 KB of rows a chunk; only the last tile's
+  // padding rows are zeroed (zeroing the whole buffer took ~15 ms of a 141-token prompt).
   auto xa = at::empty({Mp / 16, nb, 16, QK}, x.options().dtype(at::kBFloat16));
   {
     auto* out = reinterpret_cast<uint16_t*>(xa.data_ptr<at::BFloat16>());
