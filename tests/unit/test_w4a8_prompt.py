@@ -44,7 +44,6 @@ def path_restored() -> object:
 def bf16_reference(x: torch.Tensor, weight: torch.Tensor, group: int) -> torch.Tensor:
     """x and the dequantized weights (code * scale + min, one rounding, then bfloat16) in float64."""
     codes, scales, mins = qlinear.quantize_w4a8(weight, group)
-    n, k = weight.shape
     w = torch.addcmul(
         mins.float().repeat_interleave(group, 1), codes.float(), scales.float().repeat_interleave(group, 1)
     )
@@ -61,7 +60,7 @@ def bf16_reference(x: torch.Tensor, weight: torch.Tensor, group: int) -> torch.T
     group=st.sampled_from(GROUPS),
 )
 @example(m=48, n=24, blocks=3, seed=0, group=32)  # three row groups: the quad repeats its last
-@example(m=33, n=64, blocks=4, seed=1, group=128)  # two passes of 16 rows and one of 1
+@example(m=33, n=64, blocks=4, seed=1, group=128)  # a pass of 32 rows, then one of 16 holding 1
 @example(m=141, n=40, blocks=2, seed=2, group=32)  # a prompt's length: 4 passes of 32 and one of 16
 def test_a_prompts_rows_in_bfloat16_tiles_are_the_product_of_their_bfloat16_values(
     m: int, n: int, blocks: int, seed: int, group: int
