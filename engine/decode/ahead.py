@@ -32,7 +32,7 @@ from __future__ import annotations
 import random
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import Tensor
@@ -243,8 +243,11 @@ class AheadDrafter:
         keep = min(common_prefix_len(self._fed, seq), len(seq) - 1)
         self.runner.crop_to(keep)
         del self._fed[keep:]
-        with prompt_rows():  # a draft's rows need no step's bits: a prompt's code where long
-            logits = self.runner.feed(seq[keep:], keep=1)[-1]
+        new = seq[keep:]
+        # A read (the prompt, a copy) may take a prompt's code: a draft's rows need no step's
+        # bits. A one-row step never does, so it skips the flag's two kernel calls.
+        with prompt_rows() if len(new) > 1 else nullcontext():
+            logits = self.runner.feed(new, keep=1)[-1]
         self._fed = list(seq)
         return align_vocab(logits, self.inner.vocab or logits.shape[-1])
 
